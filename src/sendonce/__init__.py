@@ -1,0 +1,3 @@
+"""sendonce: email delivered exactly once, on PostgreSQL."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""The HTTP API (FastAPI). ``create_app`` is the factory; its lifespan owns the connection pool."""

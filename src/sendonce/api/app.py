@@ -1,0 +1,64 @@
+"""The app factory. Its lifespan owns the connection pool; routes receive connections from it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from sendonce import __version__
+from sendonce.api import problems
+from sendonce.api.middleware import BodyLimitMiddleware
+from sendonce.api.routes import accounts, campaigns, lists, subscribers, suppressions
+from sendonce.settings import Settings, load_settings
+from sendonce.store.database import create_pool, resolve_database_url
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None, *, database_url: str | None = None) -> FastAPI:
+    settings = settings or load_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        url = database_url or resolve_database_url(settings.database_url, settings.home)
+        pool = create_pool(url, min_size=1, max_size=20, name="sendonce-api")
+        # Open without waiting: the API starts (and answers 503) even while PostgreSQL is down.
+        await pool.open(wait=False)
+        app.state.pool = pool
+        try:
+            yield
+        finally:
+            await pool.close()
+
+    app = FastAPI(
+        title="sendonce",
+        version=__version__,
+        description="Email delivered exactly once, on PostgreSQL.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    problems.install(app)
+
+    def limit_for(path: str) -> int:
+        return settings.max_import_bytes if path.endswith("/import") else settings.max_body_bytes
+
+    app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
+    for module in (accounts, lists, subscribers, campaigns, suppressions):
+        app.include_router(module.router)
+
+    @app.get("/health", tags=["health"])
+    async def health(request: Request) -> Any:
+        try:
+            async with request.app.state.pool.connection(timeout=2.0) as conn:
+                await conn.execute("SELECT 1")
+        except Exception as exc:
+            logger.warning("health: database unavailable: %s", exc)
+            return JSONResponse({"status": "unavailable", "database": "unreachable"}, status_code=503)
+        return {"status": "ok", "database": "ok"}
+
+    return app

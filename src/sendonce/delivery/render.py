@@ -1,0 +1,79 @@
+"""Templates: sandboxed Jinja2, compiled once per campaign, rendered per recipient.
+
+The sandbox refuses attribute access to Python internals (``__class__``, ``__globals__``, ...),
+and the environments have no loader, so a template cannot include or read files. Missing
+variables are errors (StrictUndefined), never blanks in a sent mail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+from jinja2 import meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from sendonce.errors import InvalidInput
+
+
+class TemplateError(InvalidInput):
+    """The template cannot be rendered."""
+
+
+_TEXT = ImmutableSandboxedEnvironment(
+    undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True
+)
+_HTML = ImmutableSandboxedEnvironment(
+    undefined=jinja2.StrictUndefined, autoescape=True, keep_trailing_newline=True
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledTemplate:
+    source: str
+    variables: frozenset[str]
+    _template: jinja2.Template | None
+    _static: str | None
+
+    def render(self, context: Mapping[str, Any]) -> str:
+        if self._static is not None:
+            return self._static
+        assert self._template is not None
+        try:
+            return self._template.render(context)
+        except SecurityError as exc:
+            raise TemplateError(f"the template tried something the sandbox forbids: {exc}") from None
+        except jinja2.UndefinedError as exc:
+            raise TemplateError(f"template variable missing: {exc}") from None
+        except Exception as exc:  # a template is user code: any error is a template error
+            raise TemplateError(f"the template failed: {type(exc).__name__}: {exc}") from None
+
+
+def compile_template(
+    source: str, *, html: bool = False, field: str = "template", allowed: Iterable[str] | None = None
+) -> CompiledTemplate:
+    """Compile ``source``; raise TemplateError naming ``field`` on a syntax error or unknown variable."""
+    env = _HTML if html else _TEXT
+    try:
+        parsed = env.parse(source)
+        variables = frozenset(meta.find_undeclared_variables(parsed))
+        template = env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TemplateError(f"{field}: template syntax error on line {exc.lineno}: {exc.message}") from None
+    if allowed is not None:
+        unknown = sorted(variables - set(allowed))
+        if unknown:
+            raise TemplateError(
+                f"{field}: unknown template variable(s) {', '.join(unknown)}; "
+                f"available: {', '.join(sorted(allowed))}"
+            )
+    if not variables and "{%" not in source and "{{" not in source:
+        return CompiledTemplate(source, variables, None, source)
+    if not variables:
+        # No per-recipient input: render once, now.
+        return CompiledTemplate(
+            source, variables, None, CompiledTemplate(source, variables, template, None).render({})
+        )
+    return CompiledTemplate(source, variables, template, None)

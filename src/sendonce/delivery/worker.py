@@ -1,0 +1,651 @@
+"""The worker: claim, send and record, with leases that fence the send as well as the record.
+
+One asyncio process runs these tasks, each with its own database connection:
+
+* the **claimer** keeps a small local queue of claimed rows (``FOR UPDATE SKIP LOCKED``, one
+  statement per batch); when there is nothing to claim it does the housekeeping and sleeps until
+  NOTIFY, the next due time, or the tick;
+* ``--concurrency`` **senders**, each with its own transport lane (an SMTP connection), compose and
+  send; a sender never starts a send after its claim's deadline (claim time + lease - margin, by
+  this process's clock), and caps the send's own timeout at the lease's end;
+* the **recorder** writes outcomes in groups every few milliseconds (one ``UPDATE ... FROM unnest``
+  per kind of outcome), fenced by the attempt each row was claimed with;
+* the **housekeeper** renews the leases still held, drops rows it no longer owns (so they are not
+  sent), releases rows of paused campaigns that were not started, puts expired leases back in the
+  queue, starts due campaigns and finishes completed ones;
+* the **builder** builds recipient lists chunk by chunk; the **listener** turns NOTIFY into wake-ups.
+
+A worker that cannot reach PostgreSQL cannot renew, so its deadlines pass and it stops sending
+before anyone else may take its rows: it goes quiet before a second copy could exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import signal
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import psycopg
+
+from sendonce.delivery.compose import ComposeError, Composer
+from sendonce.faults import NO_FAULTS, Faults
+from sendonce.store import outbox
+from sendonce.store.database import Conn, connect, is_unavailable
+from sendonce.store.outbox import ClaimedDelivery, FailedRecord, Fenced, Key, RetryRecord, SentRecord
+from sendonce.transports.base import Accepted, Channel, Outcome, Permanent, Retry, Transport
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    concurrency: int = 10
+    """Parallel transport lanes (SMTP connections) in this process."""
+    batch_size: int = 20
+    """Rows per claim."""
+    tick: float = 60.0
+    """Longest sleep between two looks at the database when nothing wakes the worker."""
+    lease: float = 30.0
+    """Seconds a claim is valid for; renewed while the worker holds the rows."""
+    drain: bool = False
+    """Exit once nothing is left that this worker could send."""
+    max_failures: int = 8
+    """Transient failures of one message before it is failed for good."""
+    backoff_base: float = 2.0
+    backoff_cap: float = 900.0
+    build_chunk: int = 5000
+    """Subscribers examined per recipient-list build transaction."""
+    record_interval: float = 0.002
+    """How long outcomes gather before one grouped, fenced UPDATE records them (group commit)."""
+    send_timeout: float = 30.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.batch_size < 1:
+            raise ValueError("concurrency and batch size must be at least 1")
+        if self.lease < 1.0:
+            raise ValueError("the lease must be at least one second")
+        if self.tick <= 0:
+            raise ValueError("the tick must be positive")
+
+    @property
+    def margin(self) -> float:
+        """No send starts later than this before the lease ends."""
+        return self.lease * 0.25
+
+    @property
+    def renew_every(self) -> float:
+        return self.lease / 3.0
+
+
+@dataclass(slots=True)
+class Held:
+    """A claimed row this process holds, until its outcome is recorded."""
+
+    delivery: ClaimedDelivery
+    lease_end: float
+    """This process's (conservative) view of when the lease ends, on the monotonic clock."""
+    revoked: bool = False
+    """A renewal found the row is no longer ours: it must not be sent."""
+    release: bool = False
+    """Its campaign was paused or cancelled: give it back unless already started."""
+    started: bool = False
+
+    @property
+    def fenced(self) -> Fenced:
+        d = self.delivery
+        return Fenced(d.account_id, d.delivery_id, d.attempt)
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    claimed: int = 0
+    sent: int = 0
+    retried: int = 0
+    failed: int = 0
+    suppressed: int = 0
+    released: int = 0
+    fenced_out: int = 0
+    """Outcomes the database refused because the row had been re-claimed (zombie completions)."""
+    dropped_past_deadline: int = 0
+    lost_leases: int = 0
+
+
+@dataclass(slots=True)
+class _Result:
+    held: Held
+    outcome: Outcome | None
+    """None: release the row (never started)."""
+    sent_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    recorded: asyncio.Event | None = None
+    """Set once the outcome is durable; a lane of a non-idempotent transport waits for it."""
+
+
+class _Lane:
+    """One database connection for one task, reconnected after a failure."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.conn: Conn | None = None
+
+    async def get(self) -> Conn:
+        if self.conn is None or self.conn.closed or self.conn.broken:
+            await self.reset()
+            self.conn = await connect(self.url)
+        return self.conn
+
+    async def reset(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close()
+
+
+def default_worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{random.randrange(16**4):04x}"
+
+
+class Worker:
+    def __init__(
+        self,
+        database_url: str,
+        transport: Transport,
+        config: WorkerConfig | None = None,
+        *,
+        composer: Composer | None = None,
+        faults: Faults = NO_FAULTS,
+    ) -> None:
+        self.url = database_url
+        self.transport = transport
+        self.config = config or WorkerConfig()
+        self.name = self.config.name or default_worker_name()
+        self.composer = composer or Composer()
+        self.faults = faults
+        self.stats = WorkerStats()
+        self._held: dict[Key, Held] = {}
+        self._ready: asyncio.Queue[Held | None] = asyncio.Queue()
+        self._results: list[_Result] = []
+        self._stopping = False
+        self._wake = asyncio.Event()
+        self._build_wanted = asyncio.Event()
+        self._space = asyncio.Event()
+        self._record_wanted = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._idempotent = transport.capabilities.idempotent
+        self._crash: BaseException | None = None
+
+    # -- control -------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Graceful stop: finish what is in flight, give back what was claimed but not started."""
+        if not self._stopping:
+            logger.info("worker %s stopping", self.name, extra={"action": "stop"})
+        self._stopping = True
+        self._wake.set()
+        self._space.set()
+        self._build_wanted.set()
+
+    async def run(self) -> WorkerStats:
+        logger.info(
+            "worker %s started (transport %s, concurrency %d, batch %d, lease %.0fs)",
+            self.name,
+            self.transport.capabilities.name,
+            self.config.concurrency,
+            self.config.batch_size,
+            self.config.lease,
+            extra={"action": "start"},
+        )
+        await self.transport.start()
+        channels = [self.transport.channel() for _ in range(self.config.concurrency)]
+        senders = [
+            asyncio.create_task(self._sender(channel), name=f"sender-{i}")
+            for i, channel in enumerate(channels)
+        ]
+        recorder = asyncio.create_task(self._recorder(), name="recorder")
+        background = [
+            asyncio.create_task(self._listener(), name="listener"),
+            asyncio.create_task(self._housekeeper(), name="housekeeper"),
+            asyncio.create_task(self._builder(), name="builder"),
+        ]
+        for task in [*background, recorder, *senders]:
+            task.add_done_callback(self._task_done)
+        claimer = asyncio.create_task(self._claimer(), name="claimer")
+        self._build_wanted.set()
+        try:
+            await claimer
+        finally:
+            self._stopping = True
+            for _ in senders:
+                self._ready.put_nowait(None)
+            await asyncio.gather(*senders, return_exceptions=True)
+            self._stopped.set()
+            self._record_wanted.set()
+            await asyncio.gather(recorder, return_exceptions=True)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            for channel in channels:
+                with contextlib.suppress(Exception):
+                    await channel.close()
+            with contextlib.suppress(Exception):
+                await self.transport.close()
+        logger.info("worker %s stopped: %s", self.name, self.stats, extra={"action": "stopped"})
+        if self._crash is not None:
+            raise self._crash
+        return self.stats
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        # A bug, not an outage (outages are retried inside the tasks): stop rather than limp on.
+        self._crash = task.exception()
+        logger.critical("worker task %s crashed", task.get_name(), exc_info=self._crash)
+        self.stop()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    async def _with_db(self, lane: _Lane, what: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T | None:
+        """Run ``fn(conn, *args)`` on the lane's connection; on a connection failure, log, reset, return None."""
+        try:
+            return await fn(await lane.get(), *args)
+        except (psycopg.Error, OSError) as exc:
+            if not is_unavailable(exc):
+                raise
+            logger.warning(
+                "%s: database unavailable (%s); will retry", what, exc, extra={"action": "db_unavailable"}
+            )
+            await lane.reset()
+            return None
+
+    async def _sleep(self, event: asyncio.Event, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout=max(timeout, 0.0))
+
+    async def _maintain(self, conn: Conn) -> bool:
+        """Start due campaigns, recover expired leases, finish completed campaigns. True: new work."""
+        started = await outbox.start_due_campaigns(conn)
+        for account_id, campaign_id in started:
+            logger.info(
+                "campaign %s started sending",
+                campaign_id,
+                extra={"action": "campaign_sending", "account_id": account_id},
+            )
+        if started:
+            self._build_wanted.set()
+        expired = await outbox.requeue_expired(conn)
+        for row in expired:
+            logger.info(
+                "lease expired on %s (attempt %s by %s): back to the queue",
+                row["job_id"],
+                row["attempt"],
+                row["claimed_by"],
+                extra={"action": "lease_expired", "job_id": row["job_id"]},
+            )
+        for account_id, campaign_id in await outbox.finish_campaigns(conn):
+            logger.info(
+                "campaign %s sent", campaign_id, extra={"action": "campaign_sent", "account_id": account_id}
+            )
+        return bool(started or expired)
+
+    # -- claimer -------------------------------------------------------------------------------
+
+    async def _claimer(self) -> None:
+        lane = _Lane(self.url)
+        loop = asyncio.get_running_loop()
+        config = self.config
+        failures = 0
+        try:
+            while not self._stopping:
+                if self._ready.qsize() >= config.concurrency:
+                    self._space.clear()
+                    await self._sleep(self._space, config.tick)
+                    continue
+                self._wake.clear()
+                started = loop.time()
+
+                async def claim(conn: Conn) -> list[ClaimedDelivery]:
+                    batch = await outbox.claim_batch(
+                        conn,
+                        limit=config.batch_size,
+                        lease_seconds=config.lease,
+                        worker=self.name,
+                        transport_idempotent=self._idempotent,
+                    )
+                    try:
+                        if batch:
+                            await self.composer.prepare(conn, batch)
+                    except BaseException:
+                        # Claimed but cannot be composed now: hold them only to give them back.
+                        self._take(batch, started + config.lease, release=True)
+                        raise
+                    self._take(batch, started + config.lease)
+                    return batch
+
+                batch = await self._with_db(lane, "claim", claim)
+                if batch is None:
+                    failures += 1
+                    await asyncio.sleep(min(0.2 * 2**failures, 5.0))
+                    continue
+                failures = 0
+                if batch:
+                    self.faults.hit("after_claim")
+                    continue
+                # Nothing to claim: housekeeping, then sleep until something may be due.
+                new_work = await self._with_db(lane, "maintenance", self._maintain)
+                if new_work:
+                    continue
+                if config.drain and not self._held:
+                    is_open = await self._with_db(lane, "drain check", outbox.open_work)
+                    if is_open is False:
+                        logger.info("drained: no work left", extra={"action": "drained"})
+                        self.stop()
+                        break
+                wait = await self._with_db(lane, "next wakeup", outbox.next_wakeup)
+                timeout = config.tick if wait is None else min(config.tick, max(wait, 0.1))
+                await self._sleep(self._wake, timeout)
+        finally:
+            await lane.reset()
+
+    def _take(self, batch: list[ClaimedDelivery], lease_end: float, *, release: bool = False) -> None:
+        for delivery in batch:
+            self.stats.claimed += 1
+            if delivery.blocked:
+                self.stats.suppressed += 1
+                logger.debug(
+                    "%s suppressed at claim",
+                    delivery.job_id,
+                    extra={"action": "suppressed", "job_id": delivery.job_id},
+                )
+                continue
+            held = Held(delivery, lease_end, release=release)
+            self._held[delivery.key] = held
+            self._ready.put_nowait(held)
+
+    # -- senders -------------------------------------------------------------------------------
+
+    async def _sender(self, channel: Channel) -> None:
+        loop = asyncio.get_running_loop()
+        config = self.config
+        while True:
+            held = await self._ready.get()
+            self._space.set()
+            if held is None:
+                return
+            if held.revoked:
+                self._held.pop(held.delivery.key, None)
+                continue
+            if self._stopping or held.release:
+                self._push(_Result(held, None))
+                continue
+            now = loop.time()
+            if now >= held.lease_end - config.margin:
+                # Past this claim's deadline: the lease may be gone. Never start a send now.
+                self.stats.dropped_past_deadline += 1
+                logger.warning(
+                    "%s: claim deadline passed before sending; giving it back",
+                    held.delivery.job_id,
+                    extra={"action": "deadline_passed", "job_id": held.delivery.job_id},
+                )
+                self._push(_Result(held, None))
+                continue
+            try:
+                message = self.composer.compose(held.delivery)
+            except ComposeError as exc:
+                held.started = True
+                self._push(_Result(held, Permanent(f"cannot compose: {exc}")))
+                continue
+            self.faults.hit("before_send")
+            held.started = True
+            # The send itself must end before the lease does, whatever the transport's timeout.
+            budget = min(config.send_timeout, held.lease_end - loop.time() - config.margin * 0.2)
+            outcome = await channel.send(message, timeout=max(budget, 0.1))
+            if not isinstance(outcome, Accepted):
+                self._push(_Result(held, outcome))
+                continue
+            self.faults.hit("after_accept")
+            if self._idempotent:
+                self._push(_Result(held, outcome))
+                continue
+            # Without idempotency keys, an accepted message that is not recorded yet is the one a
+            # crash would duplicate. This lane sends nothing more until it is recorded, so at any
+            # instant each connection has at most one such message (the recorder groups the
+            # waits of all lanes into one UPDATE, so the wait is short).
+            result = _Result(held, outcome, recorded=asyncio.Event())
+            self._push(result)
+            assert result.recorded is not None
+            await result.recorded.wait()
+
+    def _push(self, result: _Result) -> None:
+        self._results.append(result)
+        self._record_wanted.set()
+
+    # -- recorder ------------------------------------------------------------------------------
+
+    def _backoff(self, failures: int, retry_after: float | None) -> float:
+        delay = min(self.config.backoff_cap, self.config.backoff_base * 2 ** max(failures, 0))
+        delay *= random.uniform(0.5, 1.5)
+        if retry_after is not None:
+            delay = max(delay, retry_after)
+        return delay
+
+    async def _recorder(self) -> None:
+        lane = _Lane(self.url)
+        failures = 0
+        try:
+            while True:
+                if not self._results:
+                    if self._stopped.is_set():
+                        return
+                    self._record_wanted.clear()
+                    await self._sleep(self._record_wanted, 1.0)
+                    continue
+                if not any(r.recorded is not None for r in self._results):
+                    # Nobody waits: let outcomes gather for a moment, one grouped UPDATE for many.
+                    # When a lane waits, flush at once; outcomes arriving meanwhile form the next group.
+                    await asyncio.sleep(self.config.record_interval)
+                results, self._results = self._results, []
+                ok = await self._with_db(lane, "record", self._record, results)
+                if ok is None:
+                    self._results[:0] = results  # keep them, in order, for the next try
+                    failures += 1
+                    if self._stopping and failures > 10:
+                        # Shutting down without a database: these rows stay 'sending' until their
+                        # lease expires, then are re-sent (and, over SMTP, written to the ledger).
+                        logger.error(
+                            "stopping with %d outcomes unrecorded: database unavailable", len(self._results)
+                        )
+                        for result in self._results:
+                            if result.recorded is not None:
+                                result.recorded.set()
+                        self._results.clear()
+                        return
+                    await asyncio.sleep(min(0.2 * 2**failures, 5.0))
+                    continue
+                for result in results:
+                    if result.recorded is not None:
+                        result.recorded.set()
+                failures = 0
+        finally:
+            await lane.reset()
+
+    async def _record(self, conn: Conn, results: list[_Result]) -> bool:
+        sent: list[SentRecord] = []
+        retry: list[RetryRecord] = []
+        failed: list[FailedRecord] = []
+        release: list[Fenced] = []
+        by_key: dict[Key, _Result] = {}
+        for result in results:
+            d = result.held.delivery
+            by_key[d.key] = result
+            outcome = result.outcome
+            if outcome is None:
+                release.append(result.held.fenced)
+            elif isinstance(outcome, Accepted):
+                sent.append(
+                    SentRecord(d.account_id, d.delivery_id, d.attempt, outcome.message_id, result.sent_at)
+                )
+            elif isinstance(outcome, Retry):
+                if d.failures + 1 >= self.config.max_failures:
+                    failed.append(
+                        FailedRecord(
+                            d.account_id,
+                            d.delivery_id,
+                            d.attempt,
+                            f"gave up after {d.failures + 1} failures: {outcome.error}",
+                        )
+                    )
+                else:
+                    delay = self._backoff(d.failures, outcome.retry_after)
+                    retry.append(
+                        RetryRecord(
+                            d.account_id, d.delivery_id, d.attempt, delay, outcome.error, outcome.uncertain
+                        )
+                    )
+            else:
+                failed.append(
+                    FailedRecord(d.account_id, d.delivery_id, d.attempt, outcome.error, outcome.hard_bounce)
+                )
+
+        recorded_sent = await outbox.record_sent(conn, sent)
+        recorded_retry = await outbox.record_retry(conn, retry)
+        recorded_failed = await outbox.record_failed(conn, failed)
+        released = await outbox.release_claims(conn, release)
+        self.faults.hit("after_record")
+
+        self.stats.released += released
+        for key, result in by_key.items():
+            self._held.pop(key, None)
+            d = result.held.delivery
+            extra = {"job_id": d.job_id, "attempt": d.attempt}
+            outcome = result.outcome
+            if outcome is None:
+                logger.debug("%s released", d.job_id, extra={"action": "released", **extra})
+                continue
+            if key not in recorded_sent | recorded_retry | recorded_failed:
+                self.stats.fenced_out += 1
+                logger.warning(
+                    "%s: outcome refused, the row was re-claimed by another worker (attempt %d is stale)",
+                    d.job_id,
+                    d.attempt,
+                    extra={"action": "fenced_out", **extra},
+                )
+            elif key in recorded_sent:
+                self.stats.sent += 1
+                logger.debug("%s sent", d.job_id, extra={"action": "sent", **extra})
+            elif key in recorded_retry:
+                self.stats.retried += 1
+                logger.info(
+                    "%s retry: %s",
+                    d.job_id,
+                    getattr(outcome, "error", ""),
+                    extra={"action": "retry", **extra},
+                )
+            else:
+                self.stats.failed += 1
+                logger.info(
+                    "%s failed: %s",
+                    d.job_id,
+                    getattr(outcome, "error", ""),
+                    extra={"action": "failed", **extra},
+                )
+        return True
+
+    # -- housekeeper ---------------------------------------------------------------------------
+
+    async def _housekeeper(self) -> None:
+        lane = _Lane(self.url)
+        loop = asyncio.get_running_loop()
+        config = self.config
+        try:
+            while True:
+                await asyncio.sleep(min(config.renew_every, config.tick))
+                held = [h for h in self._held.values() if not h.revoked]
+                if held:
+                    started = loop.time()
+                    owned = await self._with_db(
+                        lane, "renew", outbox.renew_leases, [h.fenced for h in held], config.lease
+                    )
+                    if owned is not None:
+                        self._apply_renewal(held, owned, started + config.lease)
+                await self._with_db(lane, "maintenance", self._maintain)
+        finally:
+            await lane.reset()
+
+    def _apply_renewal(self, held: list[Held], owned: dict[Key, bool], lease_end: float) -> None:
+        for h in held:
+            key = h.delivery.key
+            if key not in owned:
+                if not h.revoked:
+                    self.stats.lost_leases += 1
+                    logger.warning(
+                        "%s: lease lost (re-claimed or requeued); not sending it",
+                        h.delivery.job_id,
+                        extra={"action": "lease_lost", "job_id": h.delivery.job_id},
+                    )
+                h.revoked = True
+                continue
+            h.lease_end = lease_end
+            if not owned[key] and not h.started:
+                h.release = True
+
+    # -- builder and listener --------------------------------------------------------------------
+
+    async def _builder(self) -> None:
+        lane = _Lane(self.url)
+        try:
+            while not self._stopping:
+                await self._sleep(self._build_wanted, self.config.tick)
+                self._build_wanted.clear()
+                while not self._stopping:
+                    progress = await self._with_db(
+                        lane, "build", outbox.build_next_chunk, self.config.build_chunk
+                    )
+                    if progress is None:
+                        break
+                    self._wake.set()
+                    if progress.done:
+                        logger.info(
+                            "campaign %s: recipient list built",
+                            progress.campaign_id,
+                            extra={"action": "campaign_built", "account_id": progress.account_id},
+                        )
+                    self.faults.hit("mid_build")
+                    await asyncio.sleep(0)
+        finally:
+            await lane.reset()
+
+    async def _listener(self) -> None:
+        while True:
+            try:
+                conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+                async with conn:
+                    await conn.execute("LISTEN sendonce_work")
+                    self._wake.set()  # anything that happened while we were not listening
+                    async for _notify in conn.notifies():
+                        self._wake.set()
+                        self._build_wanted.set()
+            except (psycopg.Error, OSError) as exc:
+                logger.debug("listener: %s; reconnecting", exc)
+                await asyncio.sleep(1.0)
+
+
+async def run_until_signalled(worker: Worker) -> WorkerStats:
+    """Run ``worker``; SIGTERM and SIGINT stop it gracefully."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.stop)
+    try:
+        return await worker.run()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

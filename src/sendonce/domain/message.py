@@ -1,0 +1,103 @@
+"""An outgoing message, and its RFC 5322 / MIME form.
+
+The MIME writer is deliberately small: a campaign sends the same structure to every recipient,
+so building a full ``email.message.EmailMessage`` per recipient (its policy machinery, header
+objects and generator) would cost more than the network. The parts that need care (RFC 2047
+encoded words, address quoting, quoted-printable) use the standard library's encoders; tests parse
+the result back with ``email.policy.default`` to check it.
+"""
+
+from __future__ import annotations
+
+import binascii
+from dataclasses import dataclass, field
+from email.header import Header
+from email.utils import formataddr
+
+CRLF = "\r\n"
+
+
+def encode_header_value(value: str, name: str) -> str:
+    """A header value safe for the wire: RFC 2047 encoded words when needed, folded at 78."""
+    if value.isascii() and len(value) + len(name) + 2 <= 78 and "\n" not in value and "\r" not in value:
+        return value
+    cleaned = value.replace("\r", " ").replace("\n", " ")
+    return Header(cleaned, "utf-8" if not cleaned.isascii() else "us-ascii", header_name=name).encode(
+        linesep=CRLF
+    )
+
+
+def format_address(name: str | None, address: str) -> str:
+    """``Name <addr>`` with the name quoted or RFC 2047 encoded as needed.
+
+    An address with a non-ASCII local part is written raw (UTF-8, RFC 6532): such a message can only
+    be sent to a server that offers SMTPUTF8, which the SMTP transport checks.
+    """
+    if not name:
+        return address
+    cleaned = name.replace("\r", " ").replace("\n", " ")
+    if address.isascii():
+        return formataddr((cleaned, address), charset="utf-8")
+    return f"{formataddr((cleaned, 'x@x'), charset='utf-8')[: -len('<x@x>')]}<{address}>"
+
+
+def _qp(text: str) -> str:
+    # RFC 2045 quoted-printable of the UTF-8 text, CRLF line ends; pure-C in binascii.
+    data = text.replace("\r\n", "\n").replace("\r", "\n").encode("utf-8")
+    return binascii.b2a_qp(data, istext=True).decode("ascii").replace("\n", CRLF)
+
+
+@dataclass(slots=True)
+class OutgoingMessage:
+    """One message to one recipient, as every transport needs it."""
+
+    job_id: str
+    envelope_from: str
+    recipient: str
+    """The recipient as it goes on the wire (A-label domain)."""
+    smtputf8: bool
+    """The recipient's local part is non-ASCII: the message needs SMTPUTF8 (RFC 6531)."""
+    from_header: str
+    to_header: str
+    subject: str
+    text: str
+    html: str | None
+    message_id: str
+    date: str
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    """Extra headers, in order (Sendonce-Job-Id, List-Unsubscribe, ...)."""
+    boundary: str = "=_sendonce_boundary"
+
+    def header_block(self) -> str:
+        lines = [
+            f"From: {self.from_header}",
+            f"To: {self.to_header}",
+            f"Subject: {encode_header_value(self.subject, 'Subject')}",
+            f"Date: {self.date}",
+            f"Message-ID: {self.message_id}",
+            "MIME-Version: 1.0",
+        ]
+        lines.extend(f"{name}: {encode_header_value(value, name)}" for name, value in self.headers)
+        return CRLF.join(lines)
+
+    def as_bytes(self) -> bytes:
+        """The whole message in RFC 5322 form, CRLF line ends."""
+        text_part = (
+            'Content-Type: text/plain; charset="utf-8"' + CRLF + "Content-Transfer-Encoding: quoted-printable"
+        )
+        if self.html is None:
+            body = text_part + CRLF + CRLF + _qp(self.text)
+        else:
+            html_part = (
+                'Content-Type: text/html; charset="utf-8"'
+                + CRLF
+                + "Content-Transfer-Encoding: quoted-printable"
+            )
+            b = self.boundary
+            body = (
+                f'Content-Type: multipart/alternative; boundary="{b}"{CRLF}{CRLF}'
+                f"--{b}{CRLF}{text_part}{CRLF}{CRLF}{_qp(self.text)}{CRLF}"
+                f"--{b}{CRLF}{html_part}{CRLF}{CRLF}{_qp(self.html)}{CRLF}"
+                f"--{b}--{CRLF}"
+            )
+        return (self.header_block() + CRLF + body).encode("utf-8")

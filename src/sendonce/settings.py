@@ -1,0 +1,57 @@
+"""Configuration from the environment (``SENDONCE_*``). Only the edges (CLI, API app, demo) read it."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from sendonce.domain.durations import parse_duration
+from sendonce.errors import ConfigurationError
+
+
+def _duration(value: Any) -> Any:
+    if isinstance(value, str):
+        return parse_duration(value)
+    return value
+
+
+Duration = Annotated[timedelta, BeforeValidator(_duration)]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SENDONCE_", extra="ignore", frozen=True)
+
+    database_url: str | None = None
+    """PostgreSQL to use. Unset: the embedded server in ``home``."""
+    home: Path = Path(".sendonce")
+    """Data folder of the embedded PostgreSQL (and other local state)."""
+    transport_url: str | None = None
+    """Where mail goes: smtp://, smtp+starttls://, smtps://, resend://, resend+http://."""
+    admin_token: SecretStr | None = None
+    """Bearer token for the admin routes (creating accounts). Unset: those routes are disabled."""
+    secret: SecretStr | None = None
+    """Server secret for idempotency keys and signed links."""
+    secret_previous: SecretStr | None = None
+    """The secret before the last rotation, still accepted for keys and links made with it."""
+    public_url: str = "http://127.0.0.1:8000"
+    """Base URL where people reach the API (verification and unsubscribe links)."""
+    signup_window: Duration = Field(default=timedelta(hours=1))
+    alert_webhook_url: str | None = None
+    max_body_bytes: int = 1_048_576
+    """Largest request body the API reads (CSV imports: ``max_import_bytes``)."""
+    max_import_bytes: int = 50 * 1_048_576
+
+
+def load_settings(**overrides: Any) -> Settings:
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"SENDONCE_{'_'.join(str(p) for p in error['loc']).upper()}: {error['msg']}"
+            for error in exc.errors()
+        )
+        raise ConfigurationError(f"invalid configuration: {problems}") from None

@@ -1,0 +1,1 @@
+"""The store: all SQL, migrations, the embedded server and the connection helpers."""

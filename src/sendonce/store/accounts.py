@@ -1,0 +1,73 @@
+"""Accounts (tenants) and their API keys."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+from sendonce.store.database import Conn
+from sendonce.store.queries import query
+
+_KEY_PREFIX = "sk_"
+
+
+@dataclass(frozen=True, slots=True)
+class Account:
+    account_id: int
+    name: str
+    from_email: str
+    from_name: str | None
+
+
+def _hash(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()
+
+
+def split_api_key(api_key: str) -> tuple[int, str] | None:
+    """``sk_<account_id>_<secret>`` -> (account_id, secret); None when it is not of that shape.
+
+    The key names its account, so authentication is a primary-key lookup and a constant-time
+    comparison: no global index on key hashes, which keeps every unique index tenant-first.
+    """
+    if not api_key.startswith(_KEY_PREFIX):
+        return None
+    account_part, sep, secret = api_key[len(_KEY_PREFIX) :].partition("_")
+    if not sep or not account_part.isdigit() or len(account_part) > 18 or len(secret) < 20:
+        return None
+    return int(account_part), secret
+
+
+async def create_account(
+    conn: Conn, *, name: str, from_email: str, from_name: str | None
+) -> tuple[Account, str]:
+    """Create an account; returns it and its API key, which is shown this once and never stored."""
+    secret = secrets.token_urlsafe(32)
+    row = await (
+        await conn.execute(
+            query("create_account"),
+            {"name": name, "api_key_hash": _hash(secret), "from_email": from_email, "from_name": from_name},
+        )
+    ).fetchone()
+    assert row is not None
+    account_id = int(row["account_id"])
+    return Account(account_id, name, from_email, from_name), f"{_KEY_PREFIX}{account_id}_{secret}"
+
+
+async def authenticate(conn: Conn, api_key: str) -> Account | None:
+    parts = split_api_key(api_key)
+    if parts is None:
+        return None
+    account_id, secret = parts
+    row = await (await conn.execute(query("get_account"), {"account_id": account_id})).fetchone()
+    if row is None or not hmac.compare_digest(bytes(row["api_key_hash"]), _hash(secret)):
+        return None
+    return Account(row["account_id"], row["name"], row["from_email"], row["from_name"])
+
+
+async def get_account(conn: Conn, account_id: int) -> Account | None:
+    row = await (await conn.execute(query("get_account"), {"account_id": account_id})).fetchone()
+    if row is None:
+        return None
+    return Account(row["account_id"], row["name"], row["from_email"], row["from_name"])

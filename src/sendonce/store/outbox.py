@@ -1,0 +1,238 @@
+"""The outbox's pipeline queries: claim, renew, record, release, recover, build, finish.
+
+Every function here is one statement (or one short transaction), called by the delivery pipeline.
+Outcomes are recorded in groups (``unnest`` arrays), never one round trip per message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sendonce.store.database import Conn
+from sendonce.store.queries import query
+
+Key = tuple[int, int]
+"""(account_id, delivery_id): the primary key of a delivery."""
+
+
+@dataclass(slots=True)
+class ClaimedDelivery:
+    account_id: int
+    delivery_id: int
+    job_id: str
+    kind: str
+    campaign_id: int | None
+    subscriber_id: int | None
+    email: str
+    payload: dict[str, Any]
+    attempt: int
+    """The fencing token this claim holds."""
+    failures: int
+    blocked: bool
+    """Suppressed or unsubscribed at claim time: already final ('suppressed'), never sent."""
+    uncertain: bool
+    name: str | None
+    attributes: dict[str, Any] | None
+
+    @property
+    def key(self) -> Key:
+        return (self.account_id, self.delivery_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Fenced:
+    """A row and the attempt (fencing token) its worker claimed it with."""
+
+    account_id: int
+    delivery_id: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class SentRecord:
+    account_id: int
+    delivery_id: int
+    attempt: int
+    message_id: str | None
+    sent_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RetryRecord:
+    account_id: int
+    delivery_id: int
+    attempt: int
+    delay_seconds: float
+    error: str
+    uncertain: bool
+
+
+@dataclass(frozen=True, slots=True)
+class FailedRecord:
+    account_id: int
+    delivery_id: int
+    attempt: int
+    error: str
+    hard_bounce: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BuildProgress:
+    account_id: int
+    campaign_id: int
+    examined: int
+    inserted: int
+    done: bool
+
+
+def _columns(rows: Sequence[Any], *names: str) -> dict[str, list[Any]]:
+    return {f"{name}s": [getattr(row, name) for row in rows] for name in names}
+
+
+async def claim_batch(
+    conn: Conn, *, limit: int, lease_seconds: float, worker: str, transport_idempotent: bool
+) -> list[ClaimedDelivery]:
+    cursor = await conn.execute(
+        query("claim_batch"),
+        {
+            "limit": limit,
+            "lease_seconds": lease_seconds,
+            "worker": worker,
+            "transport_idempotent": transport_idempotent,
+        },
+    )
+    return [ClaimedDelivery(**row) for row in await cursor.fetchall()]
+
+
+async def renew_leases(conn: Conn, held: Sequence[Fenced], lease_seconds: float) -> dict[Key, bool]:
+    """Extend the leases still held; returns {key: campaign still sending} for the rows still owned."""
+    if not held:
+        return {}
+    cursor = await conn.execute(
+        query("renew_leases"),
+        {"lease_seconds": lease_seconds, **_columns(held, "account_id", "delivery_id", "attempt")},
+    )
+    return {
+        (row["account_id"], row["delivery_id"]): bool(row["campaign_active"])
+        for row in await cursor.fetchall()
+    }
+
+
+async def record_sent(conn: Conn, items: Sequence[SentRecord]) -> set[Key]:
+    """Mark accepted messages sent; returns the rows recorded (the others were fenced out)."""
+    if not items:
+        return set()
+    cursor = await conn.execute(
+        query("record_sent"),
+        _columns(items, "account_id", "delivery_id", "attempt", "message_id", "sent_at"),
+    )
+    return {(row["account_id"], row["delivery_id"]) for row in await cursor.fetchall()}
+
+
+async def record_retry(conn: Conn, items: Sequence[RetryRecord]) -> set[Key]:
+    if not items:
+        return set()
+    cursor = await conn.execute(
+        query("record_retry"),
+        {
+            **_columns(items, "account_id", "delivery_id", "attempt", "error", "uncertain"),
+            "delays": [item.delay_seconds for item in items],
+            "uncertain": [item.uncertain for item in items],
+        },
+    )
+    return {(row["account_id"], row["delivery_id"]) for row in await cursor.fetchall()}
+
+
+async def record_failed(conn: Conn, items: Sequence[FailedRecord]) -> set[Key]:
+    """Mark permanent failures; hard bounces also suppress their address, in the same transaction."""
+    if not items:
+        return set()
+    bounced = {(item.account_id, item.delivery_id) for item in items if item.hard_bounce}
+    async with conn.transaction():
+        cursor = await conn.execute(
+            query("record_failed"), _columns(items, "account_id", "delivery_id", "attempt", "error")
+        )
+        rows = await cursor.fetchall()
+        by_account: dict[int, list[tuple[str, str]]] = {}
+        for row in rows:
+            if (row["account_id"], row["delivery_id"]) in bounced:
+                by_account.setdefault(row["account_id"], []).append((row["email_key"], row["email"]))
+        for account_id, pairs in by_account.items():
+            await conn.execute(
+                query("suppress_bounced"),
+                {
+                    "account_id": account_id,
+                    "email_keys": [p[0] for p in pairs],
+                    "emails": [p[1] for p in pairs],
+                },
+            )
+    return {(row["account_id"], row["delivery_id"]) for row in rows}
+
+
+async def release_claims(conn: Conn, items: Sequence[Fenced]) -> int:
+    """Give back claimed rows that were never started; returns how many were still ours."""
+    if not items:
+        return 0
+    cursor = await conn.execute(
+        query("release_claims"), _columns(items, "account_id", "delivery_id", "attempt")
+    )
+    row = await cursor.fetchone()
+    return int(row["n"]) if row else 0
+
+
+async def requeue_expired(conn: Conn, limit: int = 1000) -> list[dict[str, Any]]:
+    cursor = await conn.execute(query("requeue_expired"), {"limit": limit})
+    return list(await cursor.fetchall())
+
+
+async def start_due_campaigns(conn: Conn) -> list[Key]:
+    cursor = await conn.execute(query("start_due_campaigns"))
+    return [(row["account_id"], row["campaign_id"]) for row in await cursor.fetchall()]
+
+
+async def build_next_chunk(conn: Conn, chunk_size: int) -> BuildProgress | None:
+    """Build one chunk of one campaign's recipient list; None when no list needs building."""
+    async with conn.transaction():
+        cursor = await conn.execute(query("lock_campaign_to_build"))
+        target = await cursor.fetchone()
+        if target is None:
+            return None
+        cursor = await conn.execute(
+            query("build_chunk"),
+            {
+                "account_id": target["account_id"],
+                "campaign_id": target["campaign_id"],
+                "after": target["build_cursor"],
+                "chunk_size": chunk_size,
+            },
+        )
+        row = await cursor.fetchone()
+        assert row is not None
+    return BuildProgress(
+        target["account_id"],
+        target["campaign_id"],
+        int(row["examined"]),
+        int(row["inserted"]),
+        row["built_at"] is not None,
+    )
+
+
+async def finish_campaigns(conn: Conn) -> list[Key]:
+    cursor = await conn.execute(query("finish_campaigns"))
+    return [(row["account_id"], row["campaign_id"]) for row in await cursor.fetchall()]
+
+
+async def next_wakeup(conn: Conn) -> float | None:
+    """Seconds until the next piece of work becomes due (may be negative: due now); None: nothing."""
+    row = await (await conn.execute(query("next_wakeup"))).fetchone()
+    if row is None or row["wait"] is None:
+        return None
+    return float(row["wait"].total_seconds())
+
+
+async def open_work(conn: Conn) -> bool:
+    row = await (await conn.execute(query("open_work"))).fetchone()
+    return bool(row and row["open"])

@@ -1,0 +1,434 @@
+-- Every runtime query of sendonce, one named block each: "-- name --", a comment saying what it
+-- does, then the statement. Parsed once at import by sendonce.store.queries. Parameters only, never
+-- formatted values.
+
+-- create_account --
+-- A new account; the API key's secret part is hashed by the caller.
+INSERT INTO sendonce.accounts (name, api_key_hash, from_email, from_name)
+VALUES (%(name)s, %(api_key_hash)s, %(from_email)s, %(from_name)s)
+RETURNING account_id;
+
+-- get_account --
+-- The account an API key names, with what authentication and mail composition need.
+SELECT account_id, name, api_key_hash, from_email, from_name
+  FROM sendonce.accounts
+ WHERE account_id = %(account_id)s;
+
+-- create_list --
+-- A new list.
+INSERT INTO sendonce.lists (account_id, name)
+VALUES (%(account_id)s, %(name)s)
+RETURNING list_id;
+
+-- existing_lists --
+-- Which of the given list ids exist in this account.
+SELECT list_id
+  FROM sendonce.lists
+ WHERE account_id = %(account_id)s AND list_id = ANY(%(list_ids)s::bigint[]);
+
+-- insert_subscribers --
+-- New subscribers; addresses that exist already are left for update_subscribers.
+INSERT INTO sendonce.subscribers (account_id, email, email_key, name, status)
+SELECT %(account_id)s, u.email, u.email_key, u.name, coalesce(u.status, 'confirmed')
+  FROM unnest(%(emails)s::text[], %(email_keys)s::text[], %(names)s::text[],
+              %(statuses)s::sendonce.subscriber_status[]) AS u(email, email_key, name, status)
+ON CONFLICT (account_id, email_key) DO NOTHING
+RETURNING subscriber_id, email_key;
+
+-- update_subscribers --
+-- Existing subscribers: a field that was not given keeps its value, so an import without a status
+-- never re-subscribes someone who unsubscribed.
+UPDATE sendonce.subscribers s
+   SET name = coalesce(u.name, s.name),
+       status = coalesce(u.status, s.status),
+       updated_at = now()
+  FROM unnest(%(email_keys)s::text[], %(names)s::text[],
+              %(statuses)s::sendonce.subscriber_status[]) AS u(email_key, name, status)
+ WHERE s.account_id = %(account_id)s AND s.email_key = u.email_key
+RETURNING s.subscriber_id, s.email_key;
+
+-- add_memberships --
+-- List memberships; an existing one (even unsubscribed) is left as it is.
+INSERT INTO sendonce.list_members (account_id, list_id, subscriber_id, status)
+SELECT %(account_id)s, u.list_id, u.subscriber_id, 'confirmed'
+  FROM unnest(%(list_ids)s::bigint[], %(subscriber_ids)s::bigint[]) AS u(list_id, subscriber_id)
+ON CONFLICT (account_id, list_id, subscriber_id) DO NOTHING;
+
+-- create_campaign --
+-- A new campaign, as a draft.
+INSERT INTO sendonce.campaigns (account_id, name, subject, text_body, html_body, from_email, from_name)
+VALUES (%(account_id)s, %(name)s, %(subject)s, %(text_body)s, %(html_body)s, %(from_email)s, %(from_name)s)
+RETURNING campaign_id, status;
+
+-- add_campaign_lists --
+-- The lists a campaign goes to.
+INSERT INTO sendonce.campaign_lists (account_id, campaign_id, list_id)
+SELECT %(account_id)s, %(campaign_id)s, unnest(%(list_ids)s::bigint[])
+ON CONFLICT DO NOTHING;
+
+-- get_campaign --
+-- One campaign, with its content and lists.
+SELECT c.account_id, c.campaign_id, c.name, c.subject, c.text_body, c.html_body, c.from_email,
+       c.from_name, c.status, c.scheduled_for, c.started_at, c.finished_at, c.built_at, c.created_at,
+       ARRAY(SELECT l.list_id FROM sendonce.campaign_lists l
+              WHERE l.account_id = c.account_id AND l.campaign_id = c.campaign_id
+              ORDER BY l.list_id) AS list_ids
+  FROM sendonce.campaigns c
+ WHERE c.account_id = %(account_id)s AND c.campaign_id = %(campaign_id)s;
+
+-- campaign_status --
+-- The status of one campaign (only to explain a compare-and-set that lost; never to decide one).
+SELECT status FROM sendonce.campaigns WHERE account_id = %(account_id)s AND campaign_id = %(campaign_id)s;
+
+-- approve_campaign --
+-- CAS draft -> approved. Zero rows back: not a draft (or not this account's).
+UPDATE sendonce.campaigns
+   SET status = 'approved', scheduled_for = coalesce(%(scheduled_for)s, now()), updated_at = now()
+ WHERE account_id = %(account_id)s AND campaign_id = %(campaign_id)s AND status = 'draft'
+RETURNING campaign_id, status, scheduled_for;
+
+-- pause_campaign --
+-- CAS approved|sending -> paused. Workers stop claiming its rows and release claimed rows they have
+-- not started at their next lease renewal.
+UPDATE sendonce.campaigns
+   SET status = 'paused', updated_at = now()
+ WHERE account_id = %(account_id)s AND campaign_id = %(campaign_id)s AND status IN ('approved', 'sending')
+RETURNING campaign_id, status, scheduled_for;
+
+-- resume_campaign --
+-- CAS paused -> sending, or -> approved when it had not started yet.
+UPDATE sendonce.campaigns
+   SET status = CASE WHEN started_at IS NULL THEN 'approved' ELSE 'sending' END::sendonce.campaign_status,
+       updated_at = now()
+ WHERE account_id = %(account_id)s AND campaign_id = %(campaign_id)s AND status = 'paused'
+RETURNING campaign_id, status, scheduled_for;
+
+-- cancel_campaign --
+-- CAS draft|approved|sending|paused -> cancelled. Its queued rows stay queued and are never claimed.
+UPDATE sendonce.campaigns
+   SET status = 'cancelled', finished_at = now(), updated_at = now()
+ WHERE account_id = %(account_id)s AND campaign_id = %(campaign_id)s
+   AND status IN ('draft', 'approved', 'sending', 'paused')
+RETURNING campaign_id, status, scheduled_for;
+
+-- campaign_counts --
+-- Deliveries of one campaign by status, and how many may have reached their recipient twice, in
+-- one snapshot. total is the sum of the five statuses: there is no other.
+SELECT count(*) FILTER (WHERE status = 'queued') AS queued,
+       count(*) FILTER (WHERE status = 'sending') AS sending,
+       count(*) FILTER (WHERE status = 'sent') AS sent,
+       count(*) FILTER (WHERE status = 'suppressed') AS suppressed,
+       count(*) FILTER (WHERE status = 'failed') AS failed,
+       (SELECT count(DISTINCT p.delivery_id) FROM sendonce.possible_duplicates p
+         WHERE p.account_id = %(account_id)s AND p.campaign_id = %(campaign_id)s) AS possible_duplicate
+  FROM sendonce.deliveries
+ WHERE account_id = %(account_id)s AND campaign_id = %(campaign_id)s;
+
+-- list_possible_duplicates --
+-- The ledger, newest first, optionally for one campaign.
+SELECT p.delivery_id, p.job_id, p.campaign_id, p.attempt, p.reason, p.recorded_at, d.email, d.status
+  FROM sendonce.possible_duplicates p
+  JOIN sendonce.deliveries d USING (account_id, delivery_id)
+ WHERE p.account_id = %(account_id)s
+   AND (%(campaign_id)s::bigint IS NULL OR p.campaign_id = %(campaign_id)s::bigint)
+ ORDER BY p.recorded_at DESC, p.delivery_id DESC
+ LIMIT %(limit)s;
+
+-- add_suppression --
+-- Suppress an address for the account. Idempotent: the first reason and time are kept.
+INSERT INTO sendonce.suppressions (account_id, email_key, email, reason)
+VALUES (%(account_id)s, %(email_key)s, %(email)s, %(reason)s)
+ON CONFLICT (account_id, email_key) DO NOTHING
+RETURNING email_key;
+
+-- delete_suppression --
+-- Lift a suppression.
+DELETE FROM sendonce.suppressions
+ WHERE account_id = %(account_id)s AND email_key = %(email_key)s
+RETURNING email_key;
+
+-- start_due_campaigns --
+-- The seed's compare-and-set: approved -> sending once scheduled_for has come. Of two workers that
+-- run this at the same instant, one gets the row back and the other gets nothing.
+UPDATE sendonce.campaigns
+   SET status = 'sending', started_at = coalesce(started_at, now()), updated_at = now()
+ WHERE status = 'approved' AND scheduled_for <= now()
+RETURNING account_id, campaign_id;
+
+-- lock_campaign_to_build --
+-- One sending campaign whose recipient list is not complete, locked for one build chunk. SKIP
+-- LOCKED: two workers never build the same chunk; the other one goes on to send.
+SELECT account_id, campaign_id, build_cursor
+  FROM sendonce.campaigns
+ WHERE status = 'sending' AND built_at IS NULL
+ ORDER BY scheduled_for, campaign_id
+ LIMIT 1
+   FOR UPDATE SKIP LOCKED;
+
+-- build_chunk --
+-- Add the next chunk of recipients (by subscriber_id) to a campaign, in the same transaction as
+-- the lock above, and move the build cursor. ON CONFLICT DO NOTHING makes a rebuild after a crash
+-- create nothing twice; DISTINCT ON (email_key) gives one message to an address however many
+-- subscriber rows or lists lead to it.
+WITH chunk AS (
+    -- confirmed subscribers with a confirmed membership in one of the campaign's lists, not suppressed
+    SELECT s.account_id, s.subscriber_id, s.email, s.email_key
+      FROM sendonce.subscribers s
+     WHERE s.account_id = %(account_id)s
+       AND s.subscriber_id > %(after)s
+       AND s.status = 'confirmed'
+       AND EXISTS (SELECT 1
+                     FROM sendonce.list_members m
+                     JOIN sendonce.campaign_lists cl
+                       ON cl.account_id = m.account_id AND cl.list_id = m.list_id
+                    WHERE m.account_id = s.account_id AND m.subscriber_id = s.subscriber_id
+                      AND m.status = 'confirmed' AND cl.campaign_id = %(campaign_id)s)
+       AND NOT EXISTS (SELECT 1 FROM sendonce.suppressions x
+                        WHERE x.account_id = s.account_id AND x.email_key = s.email_key)
+     ORDER BY s.subscriber_id
+     LIMIT %(chunk_size)s
+), inserted AS (
+    INSERT INTO sendonce.deliveries (account_id, job_id, kind, priority, campaign_id, subscriber_id,
+                                     email, email_key)
+    SELECT DISTINCT ON (c.email_key)
+           c.account_id, 'campaign:' || %(campaign_id)s::bigint || ':' || c.subscriber_id, 'campaign', 100,
+           %(campaign_id)s, c.subscriber_id, c.email, c.email_key
+      FROM chunk c
+     ORDER BY c.email_key, c.subscriber_id
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+), advanced AS (
+    -- CAS on the cursor as well as the row lock: a chunk is committed once, in order.
+    UPDATE sendonce.campaigns
+       SET build_cursor = coalesce((SELECT max(subscriber_id) FROM chunk), build_cursor),
+           built_at = CASE WHEN (SELECT count(*) FROM chunk) < %(chunk_size)s THEN now() END,
+           updated_at = now()
+     WHERE account_id = %(account_id)s AND campaign_id = %(campaign_id)s AND build_cursor = %(after)s
+    RETURNING build_cursor, built_at
+)
+SELECT (SELECT count(*) FROM chunk) AS examined,
+       (SELECT count(*) FROM inserted) AS inserted,
+       (SELECT build_cursor FROM advanced) AS cursor,
+       (SELECT built_at FROM advanced) AS built_at;
+
+-- finish_campaigns --
+-- CAS sending -> sent, for campaigns whose list is built and that have no open delivery left.
+UPDATE sendonce.campaigns c
+   SET status = 'sent', finished_at = now(), updated_at = now()
+ WHERE c.status = 'sending' AND c.built_at IS NOT NULL
+   AND NOT EXISTS (SELECT 1 FROM sendonce.deliveries d
+                    WHERE d.account_id = c.account_id AND d.campaign_id = c.campaign_id
+                      AND d.status IN ('queued', 'sending'))
+RETURNING account_id, campaign_id;
+
+-- requeue_expired --
+-- Rows whose lease ran out (their worker died, hung, or lost the database) go back to the queue,
+-- flagged uncertain: the dead attempt may have reached the recipient. The attempt (fencing token)
+-- is kept, so the old worker can still record an outcome it really got until someone re-claims.
+WITH expired AS (
+    SELECT account_id, delivery_id
+      FROM sendonce.deliveries
+     WHERE status = 'sending' AND lease_expires_at < now()
+     ORDER BY lease_expires_at
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+)
+UPDATE sendonce.deliveries d
+   SET status = 'queued', uncertain = true, lease_expires_at = NULL, updated_at = now()
+  FROM expired e
+ WHERE d.account_id = e.account_id AND d.delivery_id = e.delivery_id
+RETURNING d.account_id, d.delivery_id, d.job_id, d.attempt, d.claimed_by;
+
+-- claim_batch --
+-- Claim up to %(limit)s due deliveries for one worker, transactional mail first, in one statement.
+-- Rows of an address that is suppressed, or of a subscriber who left, end 'suppressed' right here,
+-- before any network call. Returns what the worker needs to compose and fence each message.
+WITH transactional AS (
+    -- Due transactional rows by priority. SKIP LOCKED: a row another claimer is taking right now
+    -- is skipped, not waited for, so concurrent claims are disjoint and never block each other.
+    SELECT d.account_id, d.delivery_id
+      FROM sendonce.deliveries d
+     WHERE d.status = 'queued' AND d.campaign_id IS NULL AND d.not_before <= now()
+     ORDER BY d.priority, d.not_before, d.delivery_id
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), campaign_rows AS (
+    -- Then rows of campaigns that are sending; a paused or cancelled campaign's rows are never
+    -- claimed. The lateral walk uses the per-campaign queue index, so a paused campaign with a
+    -- million queued rows costs nothing here.
+    SELECT r.account_id, r.delivery_id
+      FROM (SELECT account_id, campaign_id FROM sendonce.campaigns
+             WHERE status = 'sending' ORDER BY scheduled_for, campaign_id) c
+     CROSS JOIN LATERAL (
+            SELECT d.account_id, d.delivery_id
+              FROM sendonce.deliveries d
+             WHERE d.account_id = c.account_id AND d.campaign_id = c.campaign_id
+               AND d.status = 'queued' AND d.not_before <= now()
+             ORDER BY d.not_before, d.delivery_id
+             LIMIT %(limit)s
+               FOR UPDATE OF d SKIP LOCKED) r
+     LIMIT %(limit)s
+), picked AS (
+    SELECT account_id, delivery_id FROM transactional
+    UNION ALL
+    (SELECT account_id, delivery_id FROM campaign_rows
+      LIMIT greatest(%(limit)s - (SELECT count(*) FROM transactional), 0))
+), checked AS (
+    -- Suppressions and opt-outs are re-checked inside the claim, against the latest committed
+    -- state: an opt-out that landed mid-campaign removes the recipient before the network call.
+    SELECT d.account_id, d.delivery_id, s.name, s.attributes,
+           (EXISTS (SELECT 1 FROM sendonce.suppressions x
+                     WHERE x.account_id = d.account_id AND x.email_key = d.email_key)
+            OR (d.campaign_id IS NOT NULL AND NOT (
+                    s.status IS NOT DISTINCT FROM 'confirmed'
+                    AND EXISTS (SELECT 1
+                                  FROM sendonce.list_members m
+                                  JOIN sendonce.campaign_lists cl
+                                    ON cl.account_id = m.account_id AND cl.list_id = m.list_id
+                                 WHERE m.account_id = d.account_id AND m.subscriber_id = d.subscriber_id
+                                   AND m.status = 'confirmed' AND cl.campaign_id = d.campaign_id)))
+           ) AS blocked
+      FROM picked p
+      JOIN sendonce.deliveries d ON d.account_id = p.account_id AND d.delivery_id = p.delivery_id
+      LEFT JOIN sendonce.subscribers s
+        ON s.account_id = d.account_id AND s.subscriber_id = d.subscriber_id
+), claimed AS (
+    -- The claim itself: a lease, and a new fencing token (attempt + 1).
+    UPDATE sendonce.deliveries d
+       SET status = CASE WHEN c.blocked THEN 'suppressed' ELSE 'sending' END::sendonce.delivery_status,
+           attempt = d.attempt + 1,
+           lease_expires_at = CASE WHEN c.blocked THEN NULL
+                                   ELSE now() + make_interval(secs => %(lease_seconds)s) END,
+           claimed_by = %(worker)s,
+           last_error = CASE WHEN c.blocked THEN 'suppressed or unsubscribed at claim time' ELSE d.last_error END,
+           updated_at = now()
+      FROM checked c
+     WHERE d.account_id = c.account_id AND d.delivery_id = c.delivery_id
+ RETURNING d.account_id, d.delivery_id, d.job_id, d.kind, d.campaign_id, d.subscriber_id, d.email,
+           d.payload, d.attempt, d.failures, d.uncertain, c.blocked, c.name, c.attributes
+), ledger AS (
+    -- A re-send of an attempt that may have reached the recipient, through a transport without
+    -- idempotency keys: written down now, before the network call, so it is never silent.
+    -- 'uncertain' stays set until a send succeeds: after a clean rejection of the re-send, the next
+    -- try is still a possible duplicate of the first.
+    INSERT INTO sendonce.possible_duplicates (account_id, delivery_id, attempt, job_id, campaign_id, reason)
+    SELECT account_id, delivery_id, attempt, job_id, campaign_id, 'resend_after_uncertain_attempt'
+      FROM claimed
+     WHERE uncertain AND NOT blocked AND NOT %(transport_idempotent)s
+)
+SELECT account_id, delivery_id, job_id, kind, campaign_id, subscriber_id, email, payload, attempt,
+       failures, blocked, uncertain, name, attributes
+  FROM claimed
+ ORDER BY delivery_id;
+
+-- renew_leases --
+-- Extend the leases a worker still holds, fenced by attempt. A row missing from the answer is no
+-- longer this worker's: it must not be sent. campaign_active is false when its campaign was paused
+-- or cancelled, so the worker can release what it has not started.
+UPDATE sendonce.deliveries d
+   SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s)
+  FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[])
+       AS u(account_id, delivery_id, attempt)
+ WHERE d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
+   AND d.status = 'sending'
+RETURNING d.account_id, d.delivery_id,
+          (d.campaign_id IS NULL OR EXISTS (SELECT 1 FROM sendonce.campaigns c
+                                             WHERE c.account_id = d.account_id
+                                               AND c.campaign_id = d.campaign_id
+                                               AND c.status = 'sending')) AS campaign_active;
+
+-- record_sent --
+-- The transport accepted these messages. Fenced: only the attempt that was claimed can complete
+-- its row, so a worker presumed dead cannot complete a row that someone else re-claimed. A row
+-- whose lease expired but that nobody re-claimed yet ('queued' with the same attempt) is completed
+-- too: that worker really sent it, and recording it spares the recipient a second copy.
+UPDATE sendonce.deliveries d
+   SET status = 'sent', sent_at = u.sent_at, transport_message_id = u.message_id,
+       lease_expires_at = NULL, uncertain = false, last_error = NULL, updated_at = now()
+  FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[],
+              %(message_ids)s::text[], %(sent_ats)s::timestamptz[])
+       AS u(account_id, delivery_id, attempt, message_id, sent_at)
+ WHERE d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
+   AND d.status IN ('sending', 'queued')
+RETURNING d.account_id, d.delivery_id;
+
+-- record_retry --
+-- Transient failures: back to the queue after a backoff, fenced. uncertain when the transport
+-- could not tell whether it accepted the message.
+UPDATE sendonce.deliveries d
+   SET status = 'queued', not_before = now() + make_interval(secs => u.delay),
+       failures = d.failures + 1, last_error = u.error, uncertain = d.uncertain OR u.uncertain,
+       lease_expires_at = NULL, updated_at = now()
+  FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[],
+              %(delays)s::float8[], %(errors)s::text[], %(uncertain)s::bool[])
+       AS u(account_id, delivery_id, attempt, delay, error, uncertain)
+ WHERE d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
+   AND d.status IN ('sending', 'queued')
+RETURNING d.account_id, d.delivery_id;
+
+-- record_failed --
+-- Permanent failures, fenced.
+UPDATE sendonce.deliveries d
+   SET status = 'failed', last_error = u.error, lease_expires_at = NULL, updated_at = now()
+  FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[],
+              %(errors)s::text[])
+       AS u(account_id, delivery_id, attempt, error)
+ WHERE d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
+   AND d.status IN ('sending', 'queued')
+RETURNING d.account_id, d.delivery_id, d.email_key, d.email, d.subscriber_id;
+
+-- release_claims --
+-- Give back rows this worker claimed but never started (shutdown, pause, deadline passed), fenced.
+-- The attempt is kept: the fencing token only ever grows.
+WITH released AS (
+    UPDATE sendonce.deliveries d
+       SET status = 'queued', lease_expires_at = NULL, updated_at = now()
+      FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[])
+           AS u(account_id, delivery_id, attempt)
+     WHERE d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
+       AND d.status = 'sending'
+    RETURNING d.delivery_id
+)
+SELECT count(*) AS n, pg_notify('sendonce_work', 'released') IS NULL AS notified FROM released;
+
+-- suppress_bounced --
+-- A hard bounce suppresses the address for the account and marks the subscriber bounced.
+WITH added AS (
+    INSERT INTO sendonce.suppressions (account_id, email_key, email, reason)
+    SELECT %(account_id)s, u.email_key, u.email, 'bounce'
+      FROM unnest(%(email_keys)s::text[], %(emails)s::text[]) AS u(email_key, email)
+    ON CONFLICT (account_id, email_key) DO NOTHING
+    RETURNING email_key
+)
+UPDATE sendonce.subscribers s
+   SET status = 'bounced', updated_at = now()
+ WHERE s.account_id = %(account_id)s AND s.email_key = ANY(%(email_keys)s::text[])
+   AND s.status <> 'bounced';
+
+-- next_wakeup --
+-- When the next piece of work becomes due: a retry's backoff, a lease that expires, a scheduled
+-- campaign. The worker sleeps until then (or until NOTIFY, or its tick), whichever comes first.
+SELECT least(
+         (SELECT min(not_before) FROM sendonce.deliveries
+           WHERE status = 'queued' AND campaign_id IS NULL),
+         (SELECT min(q.not_before)
+            FROM sendonce.campaigns c
+           CROSS JOIN LATERAL (SELECT d.not_before FROM sendonce.deliveries d
+                                WHERE d.account_id = c.account_id AND d.campaign_id = c.campaign_id
+                                  AND d.status = 'queued'
+                                ORDER BY d.not_before LIMIT 1) q
+           WHERE c.status = 'sending'),
+         (SELECT min(lease_expires_at) FROM sendonce.deliveries WHERE status = 'sending'),
+         (SELECT min(scheduled_for) FROM sendonce.campaigns WHERE status = 'approved')
+       ) - now() AS wait;
+
+-- open_work --
+-- Whether anything is left for a draining worker: open deliveries that can still be sent (queued
+-- or leased, of transactional mail or of sending campaigns), lists to build, campaigns to finish
+-- or to start.
+SELECT EXISTS (SELECT 1 FROM sendonce.deliveries
+                WHERE status IN ('queued', 'sending') AND campaign_id IS NULL)
+    OR EXISTS (SELECT 1 FROM sendonce.campaigns c
+                WHERE c.status = 'sending')
+    OR EXISTS (SELECT 1 FROM sendonce.campaigns
+                WHERE status = 'approved' AND scheduled_for <= now()) AS open;

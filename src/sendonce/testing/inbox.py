@@ -1,0 +1,202 @@
+"""An SMTP inbox that records every message it accepts, with optional faults.
+
+The inbox is where exactly-once is checked: from what arrived, not from our own tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email
+import email.policy
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from email.message import EmailMessage
+from typing import Any
+
+from aiosmtpd.controller import Controller
+from aiosmtpd.smtp import SMTP, Envelope, Session
+
+JOB_HEADER = b"sendonce-job-id:"
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    mail_from: str
+    rcpt_to: tuple[str, ...]
+    data: bytes
+    received_at: float
+    job_id: str | None
+
+    def parsed(self) -> EmailMessage:
+        message = email.message_from_bytes(self.data, policy=email.policy.default)
+        assert isinstance(message, EmailMessage)
+        return message
+
+
+def _job_id(data: bytes) -> str | None:
+    # Fast header scan: the inbox may take thousands of messages a second.
+    head = data.split(b"\r\n\r\n", 1)[0]
+    for line in head.split(b"\r\n"):
+        if line[: len(JOB_HEADER)].lower() == JOB_HEADER:
+            return line[len(JOB_HEADER) :].strip().decode("utf-8", "replace")
+    return None
+
+
+@dataclass
+class InboxFaults:
+    """Misbehaviour on demand, each with a probability per message."""
+
+    drop_after_data: float = 0.0
+    """Receive the whole message, record it, then drop the connection before answering 250: the
+    client cannot know the message arrived (the ambiguous case)."""
+    temp_fail: float = 0.0
+    """Answer 451 (or 421 and close, half the time) instead of accepting."""
+    slow: float = 0.0
+    """Wait ``slow_seconds`` before answering DATA (past the client's timeout), then accept."""
+    slow_seconds: float = 5.0
+    reject: Callable[[str], str | None] | None = None
+    """Called with each RCPT address; a returned SMTP reply (``"550 ..."``) rejects it."""
+    seed: int | None = None
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self._random = random.Random(self.seed)
+
+    def roll(self, probability: float) -> bool:
+        return probability > 0 and self._random.random() < probability
+
+
+class _Handler:
+    def __init__(self, inbox: Inbox) -> None:
+        self.inbox = inbox
+
+    async def handle_RCPT(
+        self, server: SMTP, session: Session, envelope: Envelope, address: str, rcpt_options: list[str]
+    ) -> str:
+        faults = self.inbox.faults
+        if faults.reject is not None:
+            reply = faults.reject(address)
+            if reply:
+                faults.counts["rejected"] += 1
+                return reply
+        envelope.rcpt_tos.append(address)
+        return "250 OK"
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        faults = self.inbox.faults
+        data = envelope.original_content or b""
+        if faults.roll(faults.temp_fail):
+            faults.counts["temp_fail"] += 1
+            if faults.roll(0.5):
+                faults.counts["421"] += 1
+                return "421 4.3.2 Service shutting down"
+            return "451 4.3.0 Try again later"
+        if faults.roll(faults.slow):
+            faults.counts["slow"] += 1
+            await asyncio.sleep(faults.slow_seconds)
+        self.inbox.record(
+            Received(
+                mail_from=str(envelope.mail_from),
+                rcpt_to=tuple(envelope.rcpt_tos),
+                data=data,
+                received_at=time.time(),
+                job_id=_job_id(data),
+            )
+        )
+        if faults.roll(faults.drop_after_data):
+            faults.counts["dropped_after_data"] += 1
+            if server.transport is not None:
+                server.transport.abort()
+        self.inbox.accepted_total += 1
+        return f"250 2.0.0 Ok: queued as {self.inbox.accepted_total}"
+
+
+class Inbox:
+    """A real SMTP server on 127.0.0.1 that keeps what it receives. Use as a context manager."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, faults: InboxFaults | None = None) -> None:
+        self.host = host
+        self._requested_port = port
+        self.faults = faults or InboxFaults()
+        self._lock = threading.Lock()
+        self._messages: list[Received] = []
+        self.accepted_total = 0
+        self._controller: Controller | None = None
+
+    def start(self) -> Inbox:
+        port = self._requested_port or _free_port(self.host)
+        self._controller = Controller(
+            _Handler(self),
+            hostname=self.host,
+            port=port,
+            enable_SMTPUTF8=True,
+            decode_data=False,
+            data_size_limit=10 * 1024 * 1024,
+            server_hostname="inbox.sendonce.test",
+        )
+        self._controller.start()
+        return self
+
+    def stop(self) -> None:
+        if self._controller is not None:
+            self._controller.stop()
+            self._controller = None
+
+    def __enter__(self) -> Inbox:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        assert self._controller is not None, "the inbox is not started"
+        return int(self._controller.port)
+
+    @property
+    def url(self) -> str:
+        return f"smtp://{self.host}:{self.port}"
+
+    def record(self, received: Received) -> None:
+        with self._lock:
+            self._messages.append(received)
+
+    @property
+    def messages(self) -> list[Received]:
+        with self._lock:
+            return list(self._messages)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._messages.clear()
+
+    def by_recipient(self) -> Counter[str]:
+        counter: Counter[str] = Counter()
+        for message in self.messages:
+            for rcpt in message.rcpt_to:
+                counter[rcpt.lower() if rcpt.isascii() else rcpt] += 1
+        return counter
+
+    def by_job(self) -> Counter[str | None]:
+        return Counter(message.job_id for message in self.messages)
+
+    def wait_for(self, count: int, timeout: float = 30.0) -> bool:
+        """Wait until at least ``count`` messages arrived."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self._messages) >= count:
+                return True
+            time.sleep(0.02)
+        return len(self._messages) >= count
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])

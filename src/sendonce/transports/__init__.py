@@ -1,0 +1,1 @@
+"""Transports: the last hop. One interface, declared capabilities, chosen by SENDONCE_TRANSPORT_URL."""

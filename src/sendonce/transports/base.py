@@ -1,0 +1,77 @@
+"""The transport interface and the outcomes a send can have.
+
+A transport says whether it honours idempotency keys. That one capability decides what a re-send
+after a crash means: harmless (the transport drops the second copy of a job id), or a possible
+duplicate that the pipeline writes to the ledger before sending.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from sendonce.domain.message import OutgoingMessage
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    name: str
+    idempotent: bool
+    """The transport drops a second message with the same job id (idempotency key)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The transport took responsibility for the message."""
+
+    message_id: str | None
+    note: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """A transient failure: try again later.
+
+    ``uncertain`` means the transport may have accepted the message anyway (the connection dropped
+    after the data was sent, a timeout waiting for the answer): a later re-send may duplicate it.
+    """
+
+    error: str
+    uncertain: bool = False
+    retry_after: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Permanent:
+    """The message will never be accepted: fail it now. ``hard_bounce`` suppresses the address."""
+
+    error: str
+    hard_bounce: bool = False
+
+
+Outcome = Accepted | Retry | Permanent
+
+
+class Channel(ABC):
+    """One sending lane (an SMTP connection, an HTTP client slot). Used by one task at a time."""
+
+    @abstractmethod
+    async def send(self, message: OutgoingMessage, *, timeout: float) -> Outcome:
+        """Send one message; never raises for a transport failure, returns the outcome instead."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the lane's resources."""
+
+
+class Transport(ABC):
+    capabilities: Capabilities
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Open shared resources."""
+
+    @abstractmethod
+    def channel(self) -> Channel:
+        """A new lane; the worker opens ``--concurrency`` of them."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Close shared resources."""

@@ -1,0 +1,138 @@
+"""The Resend-compatible HTTP API: ``POST {base}/emails`` with ``Idempotency-Key: <job_id>``.
+
+The provider keeps the key for 24 hours and drops a second request with the same key, so a
+re-send after a crash is harmless: exactly once, as long as the re-send comes within that window.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import email.utils
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from sendonce.domain.message import OutgoingMessage
+from sendonce.transports.base import Accepted, Capabilities, Channel, Outcome, Permanent, Retry, Transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ResendSettings:
+    base_url: str
+    api_key: str
+    timeout: float = 30.0
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        try:
+            parsed = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        return max(0.0, (parsed - dt.datetime.now(parsed.tzinfo)).total_seconds())
+
+
+def _error_name(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return ""
+    if isinstance(body, dict):
+        return str(body.get("name") or body.get("code") or "")
+    return ""
+
+
+class ResendTransport(Transport):
+    capabilities = Capabilities(name="resend", idempotent=True)
+
+    def __init__(self, settings: ResendSettings, *, max_connections: int = 100) -> None:
+        self.settings = settings
+        self._max_connections = max_connections
+        self._client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                base_url=self.settings.base_url,
+                headers={"Authorization": f"Bearer {self.settings.api_key}", "User-Agent": "sendonce"},
+                timeout=self.settings.timeout,
+                limits=httpx.Limits(
+                    max_connections=self._max_connections, max_keepalive_connections=self._max_connections
+                ),
+            )
+
+    def channel(self) -> ResendChannel:
+        return ResendChannel(self)
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("the transport is not started")
+        return self._client
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+
+def payload(message: OutgoingMessage) -> dict[str, Any]:
+    """The JSON body: deterministic for a job, so a re-send is the same request as the first."""
+    body: dict[str, Any] = {
+        "from": message.from_header,
+        "to": [message.recipient],
+        "subject": message.subject,
+        "text": message.text,
+        "headers": {"Message-ID": message.message_id, **dict(message.headers)},
+    }
+    if message.html is not None:
+        body["html"] = message.html
+    return body
+
+
+class ResendChannel(Channel):
+    def __init__(self, transport: ResendTransport) -> None:
+        self.transport = transport
+
+    async def send(self, message: OutgoingMessage, *, timeout: float) -> Outcome:
+        try:
+            response = await self.transport.client.post(
+                "/emails",
+                json=payload(message),
+                headers={"Idempotency-Key": message.job_id},
+                timeout=timeout,
+            )
+        except httpx.TimeoutException as exc:
+            # The provider may have accepted it before we gave up; the same key makes a re-send safe.
+            return Retry(f"timeout: {type(exc).__name__}", uncertain=True)
+        except httpx.HTTPError as exc:
+            return Retry(
+                f"{type(exc).__name__}: {exc}"[:500], uncertain=isinstance(exc, httpx.RemoteProtocolError)
+            )
+        status = response.status_code
+        if 200 <= status < 300:
+            try:
+                message_id = str(response.json().get("id") or "") or None
+            except ValueError:
+                message_id = None
+            return Accepted(message_id)
+        name = _error_name(response)
+        detail = f"{status} {name or response.reason_phrase}: {response.text[:300]}"
+        if status == 409:
+            if name == "concurrent_idempotent_requests":
+                # The first request with this key is still in flight at the provider: ask again later.
+                return Retry(detail, retry_after=_retry_after(response) or 1.0)
+            # The key was used already: the message went out then.
+            return Accepted(None, note=f"already sent ({detail})")
+        if status == 429 or status >= 500:
+            return Retry(detail, uncertain=status >= 500, retry_after=_retry_after(response))
+        return Permanent(detail)
