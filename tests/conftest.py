@@ -64,9 +64,7 @@ def _create_database(admin_url: str, template: str | None) -> str:
     with psycopg.connect(admin_url, autocommit=True) as conn:
         if template:
             conn.execute(
-                sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                    sql.Identifier(name), sql.Identifier(template)
-                )
+                sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name), sql.Identifier(template))
             )
         else:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))

@@ -24,9 +24,7 @@ class Setup:
 
 
 async def make_account(conn: Conn, *, from_email: str = "news@sender.test") -> tuple[int, str]:
-    account, key = await accounts.create_account(
-        conn, name="acme", from_email=from_email, from_name="Acme News"
-    )
+    account, key = await accounts.create_account(conn, name="acme", from_email=from_email, from_name="Acme News")
     return account.account_id, key
 
 
@@ -97,11 +95,27 @@ async def run_to_drain(
     return await asyncio.wait_for(worker.run(), timeout)
 
 
-async def campaign_status(
-    url: str, account_id: int, campaign_id: int
-) -> tuple[str, campaigns.CampaignCounts]:
+async def campaign_status(url: str, account_id: int, campaign_id: int) -> tuple[str, campaigns.CampaignCounts]:
     async with await connect(url) as conn:
         campaign = await campaigns.get_campaign(conn, account_id, campaign_id)
         assert campaign is not None
         counts = await campaigns.campaign_counts(conn, account_id, campaign_id)
     return campaign.status.value, counts
+
+
+def proxy_target(url: str) -> dict[str, object]:
+    """Where a libpq URL points, as TcpProxy arguments (Unix socket for the embedded server)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    params = conninfo_to_dict(url)
+    host = str(params.get("host") or "localhost")
+    port = int(params.get("port") or 5432)
+    if host.startswith("/"):
+        return {"target_unix": f"{host}/.s.PGSQL.{port}"}
+    return {"target_host": host, "target_port": port}
+
+
+def through_proxy(url: str, port: int) -> str:
+    from psycopg.conninfo import make_conninfo
+
+    return make_conninfo(url, host="127.0.0.1", port=port)

@@ -124,16 +124,10 @@ def db_stop() -> None:
 def worker(
     concurrency: Annotated[int, typer.Option(min=1, max=1000, help="Parallel transport connections.")] = 10,
     batch_size: Annotated[int, typer.Option(min=1, max=10_000, help="Rows claimed per batch.")] = 20,
-    tick: Annotated[
-        float, typer.Option(min=0.01, help="Seconds between looks when nothing wakes the worker.")
-    ] = 60.0,
-    lease: Annotated[
-        float, typer.Option(min=1.0, help="Seconds a claim is valid (renewed while held).")
-    ] = 30.0,
+    tick: Annotated[float, typer.Option(min=0.01, help="Seconds between looks when nothing wakes the worker.")] = 60.0,
+    lease: Annotated[float, typer.Option(min=1.0, help="Seconds a claim is valid (renewed while held).")] = 30.0,
     drain: Annotated[bool, typer.Option("--drain", help="Exit once no work is left.")] = False,
-    upgrade_schema: Annotated[
-        bool, typer.Option("--upgrade/--no-upgrade", help="Apply migrations first.")
-    ] = True,
+    upgrade_schema: Annotated[bool, typer.Option("--upgrade/--no-upgrade", help="Apply migrations first.")] = True,
 ) -> None:
     """Claim, send and record mail until stopped (SIGTERM: graceful)."""
     from sendonce.delivery.worker import WorkerConfig, run_until_signalled
@@ -144,9 +138,7 @@ def worker(
     try:
         if upgrade_schema:
             _upgrade(url)
-        config = WorkerConfig(
-            concurrency=concurrency, batch_size=batch_size, tick=tick, lease=lease, drain=drain
-        )
+        config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, tick=tick, lease=lease, drain=drain)
         built = build_worker(settings, config, url=url)
     except (SendonceError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -159,9 +151,7 @@ def worker(
 def api(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
-    upgrade_schema: Annotated[
-        bool, typer.Option("--upgrade/--no-upgrade", help="Apply migrations first.")
-    ] = True,
+    upgrade_schema: Annotated[bool, typer.Option("--upgrade/--no-upgrade", help="Apply migrations first.")] = True,
 ) -> None:
     """Serve the HTTP API."""
     import uvicorn
@@ -176,9 +166,7 @@ def api(
         except SendonceError as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(1) from None
-    uvicorn.run(
-        create_app(settings, database_url=url), host=host, port=port, log_level="warning", access_log=False
-    )
+    uvicorn.run(create_app(settings, database_url=url), host=host, port=port, log_level="warning", access_log=False)
 
 
 @app.command()
@@ -202,9 +190,7 @@ def duplicates(
     for column in ("recorded_at", "job_id", "email", "attempt", "reason", "status"):
         table.add_column(column)
     for row in rows:
-        table.add_row(
-            *(str(row[c]) for c in ("recorded_at", "job_id", "email", "attempt", "reason", "status"))
-        )
+        table.add_row(*(str(row[c]) for c in ("recorded_at", "job_id", "email", "attempt", "reason", "status")))
     Console().print(table)
     Console().print(f"{len(rows)} entr{'y' if len(rows) == 1 else 'ies'}")
 

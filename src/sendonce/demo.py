@@ -119,9 +119,7 @@ async def _opt_out(url: str, account_id: int, campaign_id: int) -> str | None:
         if row is None:
             return None
         email = str(row["email"])
-        await suppressions.add_suppression(
-            conn, account_id, parse_address(email), SuppressionReason.UNSUBSCRIBE
-        )
+        await suppressions.add_suppression(conn, account_id, parse_address(email), SuppressionReason.UNSUBSCRIBE)
     return email
 
 
@@ -200,7 +198,7 @@ def _run(console: Console, url: str, subscribers: int, workers: int, started: fl
         )
         procs = [_spawn_worker(url, inbox.url, 4) for _ in range(workers)]
         console.print(f"• {workers} worker processes started (pids {', '.join(str(p.pid) for p in procs)})")
-        killed_at = opted_out_at = None
+        killed_at = None
         opted_out: str | None = None
         rng = random.Random()
         kill_threshold = int(plan.unique * rng.uniform(0.25, 0.4))
@@ -221,24 +219,20 @@ def _run(console: Console, url: str, subscribers: int, workers: int, started: fl
                 while time.monotonic() - started < TIME_LIMIT:
                     final_status, counts = asyncio.run(_status(url, account_id, campaign_id))
                     done = counts.sent + counts.suppressed + counts.failed
-                    progress.update(
-                        task, completed=done, total=max(counts.total, 1), inbox=len(inbox.messages)
-                    )
+                    progress.update(task, completed=done, total=max(counts.total, 1), inbox=len(inbox.messages))
                     if killed_at is None and counts.sent >= kill_threshold:
                         victim = procs[0]
                         os.kill(victim.pid, signal.SIGKILL)
                         victim.wait()
                         killed_at = counts.sent
                         progress.console.print(
-                            f"[red]✖ worker pid {victim.pid} killed with SIGKILL[/red] at {killed_at:,} sent; restarting it"
+                            f"[red]✖ worker pid {victim.pid} killed with SIGKILL[/red] "
+                            f"at {killed_at:,} sent; restarting it"
                         )
                         procs[0] = _spawn_worker(url, inbox.url, 4)
                     if opted_out is None and counts.sent >= opt_out_threshold:
                         opted_out = asyncio.run(_opt_out(url, account_id, campaign_id))
-                        opted_out_at = counts.sent
-                        progress.console.print(
-                            f"[yellow]• opt-out mid-send:[/yellow] {opted_out} unsubscribed"
-                        )
+                        progress.console.print(f"[yellow]• opt-out mid-send:[/yellow] {opted_out} unsubscribed")
                     if final_status == "sent":
                         break
                     time.sleep(0.2)
@@ -306,16 +300,12 @@ def _report(
         "campaign status / counts",
         f"{status}: sent {counts.sent:,}, suppressed {counts.suppressed:,}, failed {counts.failed:,}",
     )
-    table.add_row(
-        "worker killed (SIGKILL) at", f"{killed_at:,} sent" if killed_at is not None else "not reached"
-    )
+    table.add_row("worker killed (SIGKILL) at", f"{killed_at:,} sent" if killed_at is not None else "not reached")
     table.add_row("elapsed", f"{elapsed:.1f}s")
     console.print(table)
     ok = not missing and opted_received == 0 and not unrecorded and status == "sent"
     if ok and duplicates == 0:
-        console.print(
-            "[green bold]✔ every address exactly once; the opted-out address not at all.[/green bold]"
-        )
+        console.print("[green bold]✔ every address exactly once; the opted-out address not at all.[/green bold]")
     elif ok:
         console.print(
             f"[green bold]✔ every address received it; the opted-out address not at all.[/green bold] "

@@ -51,7 +51,6 @@ def load_settings(**overrides: Any) -> Settings:
         return Settings(**overrides)
     except ValidationError as exc:
         problems = "; ".join(
-            f"SENDONCE_{'_'.join(str(p) for p in error['loc']).upper()}: {error['msg']}"
-            for error in exc.errors()
+            f"SENDONCE_{'_'.join(str(p) for p in error['loc']).upper()}: {error['msg']}" for error in exc.errors()
         )
         raise ConfigurationError(f"invalid configuration: {problems}") from None

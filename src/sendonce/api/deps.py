@@ -29,9 +29,7 @@ def settings_of(request: Request) -> Settings:
 def _bearer(request: Request) -> str:
     header = request.headers.get("authorization")
     if not header:
-        raise Problem(
-            401, "missing Authorization header: send 'Authorization: Bearer <api key>'", headers=_BEARER
-        )
+        raise Problem(401, "missing Authorization header: send 'Authorization: Bearer <api key>'", headers=_BEARER)
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Problem(401, "the Authorization header must be 'Bearer <api key>'", headers=_BEARER)

@@ -53,9 +53,7 @@ def compile_campaign(
     return (
         compile_template(subject, field="subject", allowed=CAMPAIGN_VARIABLES),
         compile_template(text, field="text", allowed=CAMPAIGN_VARIABLES),
-        compile_template(html, html=True, field="html", allowed=CAMPAIGN_VARIABLES)
-        if html is not None
-        else None,
+        compile_template(html, html=True, field="html", allowed=CAMPAIGN_VARIABLES) if html is not None else None,
     )
 
 

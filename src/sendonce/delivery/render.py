@@ -13,7 +13,8 @@ from typing import Any
 
 import jinja2
 from jinja2 import meta
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from sendonce.errors import InvalidInput
 
@@ -22,12 +23,8 @@ class TemplateError(InvalidInput):
     """The template cannot be rendered."""
 
 
-_TEXT = ImmutableSandboxedEnvironment(
-    undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True
-)
-_HTML = ImmutableSandboxedEnvironment(
-    undefined=jinja2.StrictUndefined, autoescape=True, keep_trailing_newline=True
-)
+_TEXT = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True)
+_HTML = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=True, keep_trailing_newline=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +63,11 @@ def compile_template(
         unknown = sorted(variables - set(allowed))
         if unknown:
             raise TemplateError(
-                f"{field}: unknown template variable(s) {', '.join(unknown)}; "
-                f"available: {', '.join(sorted(allowed))}"
+                f"{field}: unknown template variable(s) {', '.join(unknown)}; available: {', '.join(sorted(allowed))}"
             )
     if not variables and "{%" not in source and "{{" not in source:
         return CompiledTemplate(source, variables, None, source)
     if not variables:
         # No per-recipient input: render once, now.
-        return CompiledTemplate(
-            source, variables, None, CompiledTemplate(source, variables, template, None).render({})
-        )
+        return CompiledTemplate(source, variables, None, CompiledTemplate(source, variables, template, None).render({}))
     return CompiledTemplate(source, variables, template, None)

@@ -68,6 +68,8 @@ class WorkerConfig:
     record_interval: float = 0.002
     """How long outcomes gather before one grouped, fenced UPDATE records them (group commit)."""
     send_timeout: float = 30.0
+    db_timeout: float = 0.0
+    """Longest wait for one database call before the connection is abandoned (0: max(lease, 5s))."""
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -77,6 +79,8 @@ class WorkerConfig:
             raise ValueError("the lease must be at least one second")
         if self.tick <= 0:
             raise ValueError("the tick must be positive")
+        if self.db_timeout <= 0:
+            object.__setattr__(self, "db_timeout", max(self.lease, 5.0))
 
     @property
     def margin(self) -> float:
@@ -207,10 +211,7 @@ class Worker:
         )
         await self.transport.start()
         channels = [self.transport.channel() for _ in range(self.config.concurrency)]
-        senders = [
-            asyncio.create_task(self._sender(channel), name=f"sender-{i}")
-            for i, channel in enumerate(channels)
-        ]
+        senders = [asyncio.create_task(self._sender(channel), name=f"sender-{i}") for i, channel in enumerate(channels)]
         recorder = asyncio.create_task(self._recorder(), name="recorder")
         background = [
             asyncio.create_task(self._listener(), name="listener"),
@@ -255,14 +256,22 @@ class Worker:
     # -- helpers -------------------------------------------------------------------------------
 
     async def _with_db(self, lane: _Lane, what: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T | None:
-        """Run ``fn(conn, *args)`` on the lane's connection; on a connection failure, log, reset, return None."""
+        """Run ``fn(conn, *args)`` on the lane's connection; on a connection failure, log, reset, return None.
+
+        A statement that hangs (a partition that drops packets rather than resetting) is abandoned
+        after ``db_timeout``: the connection is thrown away and the caller retries on a new one.
+        """
         try:
-            return await fn(await lane.get(), *args)
-        except (psycopg.Error, OSError) as exc:
-            if not is_unavailable(exc):
+            async with asyncio.timeout(self.config.db_timeout):
+                return await fn(await lane.get(), *args)
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            if not isinstance(exc, TimeoutError) and not is_unavailable(exc):
                 raise
             logger.warning(
-                "%s: database unavailable (%s); will retry", what, exc, extra={"action": "db_unavailable"}
+                "%s: database unavailable (%s); will retry",
+                what,
+                str(exc) or type(exc).__name__,
+                extra={"action": "db_unavailable"},
             )
             await lane.reset()
             return None
@@ -292,9 +301,7 @@ class Worker:
                 extra={"action": "lease_expired", "job_id": row["job_id"]},
             )
         for account_id, campaign_id in await outbox.finish_campaigns(conn):
-            logger.info(
-                "campaign %s sent", campaign_id, extra={"action": "campaign_sent", "account_id": account_id}
-            )
+            logger.info("campaign %s sent", campaign_id, extra={"action": "campaign_sent", "account_id": account_id})
         return bool(started or expired)
 
     # -- claimer -------------------------------------------------------------------------------
@@ -313,7 +320,7 @@ class Worker:
                 self._wake.clear()
                 started = loop.time()
 
-                async def claim(conn: Conn) -> list[ClaimedDelivery]:
+                async def claim(conn: Conn, started: float) -> list[ClaimedDelivery]:
                     batch = await outbox.claim_batch(
                         conn,
                         limit=config.batch_size,
@@ -331,7 +338,7 @@ class Worker:
                     self._take(batch, started + config.lease)
                     return batch
 
-                batch = await self._with_db(lane, "claim", claim)
+                batch = await self._with_db(lane, "claim", claim, started)
                 if batch is None:
                     failures += 1
                     await asyncio.sleep(min(0.2 * 2**failures, 5.0))
@@ -432,7 +439,7 @@ class Worker:
     # -- recorder ------------------------------------------------------------------------------
 
     def _backoff(self, failures: int, retry_after: float | None) -> float:
-        delay = min(self.config.backoff_cap, self.config.backoff_base * 2 ** max(failures, 0))
+        delay = min(self.config.backoff_cap, self.config.backoff_base * 2.0 ** max(failures, 0))
         delay *= random.uniform(0.5, 1.5)
         if retry_after is not None:
             delay = max(delay, retry_after)
@@ -461,9 +468,7 @@ class Worker:
                     if self._stopping and failures > 10:
                         # Shutting down without a database: these rows stay 'sending' until their
                         # lease expires, then are re-sent (and, over SMTP, written to the ledger).
-                        logger.error(
-                            "stopping with %d outcomes unrecorded: database unavailable", len(self._results)
-                        )
+                        logger.error("stopping with %d outcomes unrecorded: database unavailable", len(self._results))
                         for result in self._results:
                             if result.recorded is not None:
                                 result.recorded.set()
@@ -491,9 +496,7 @@ class Worker:
             if outcome is None:
                 release.append(result.held.fenced)
             elif isinstance(outcome, Accepted):
-                sent.append(
-                    SentRecord(d.account_id, d.delivery_id, d.attempt, outcome.message_id, result.sent_at)
-                )
+                sent.append(SentRecord(d.account_id, d.delivery_id, d.attempt, outcome.message_id, result.sent_at))
             elif isinstance(outcome, Retry):
                 if d.failures + 1 >= self.config.max_failures:
                     failed.append(
@@ -507,14 +510,10 @@ class Worker:
                 else:
                     delay = self._backoff(d.failures, outcome.retry_after)
                     retry.append(
-                        RetryRecord(
-                            d.account_id, d.delivery_id, d.attempt, delay, outcome.error, outcome.uncertain
-                        )
+                        RetryRecord(d.account_id, d.delivery_id, d.attempt, delay, outcome.error, outcome.uncertain)
                     )
             else:
-                failed.append(
-                    FailedRecord(d.account_id, d.delivery_id, d.attempt, outcome.error, outcome.hard_bounce)
-                )
+                failed.append(FailedRecord(d.account_id, d.delivery_id, d.attempt, outcome.error, outcome.hard_bounce))
 
         recorded_sent = await outbox.record_sent(conn, sent)
         recorded_retry = await outbox.record_retry(conn, retry)
@@ -607,9 +606,7 @@ class Worker:
                 await self._sleep(self._build_wanted, self.config.tick)
                 self._build_wanted.clear()
                 while not self._stopping:
-                    progress = await self._with_db(
-                        lane, "build", outbox.build_next_chunk, self.config.build_chunk
-                    )
+                    progress = await self._with_db(lane, "build", outbox.build_next_chunk, self.config.build_chunk)
                     if progress is None:
                         break
                     self._wake.set()

@@ -22,9 +22,7 @@ def encode_header_value(value: str, name: str) -> str:
     if value.isascii() and len(value) + len(name) + 2 <= 78 and "\n" not in value and "\r" not in value:
         return value
     cleaned = value.replace("\r", " ").replace("\n", " ")
-    return Header(cleaned, "utf-8" if not cleaned.isascii() else "us-ascii", header_name=name).encode(
-        linesep=CRLF
-    )
+    return Header(cleaned, "utf-8" if not cleaned.isascii() else "us-ascii", header_name=name).encode(linesep=CRLF)
 
 
 def format_address(name: str | None, address: str) -> str:
@@ -82,16 +80,12 @@ class OutgoingMessage:
 
     def as_bytes(self) -> bytes:
         """The whole message in RFC 5322 form, CRLF line ends."""
-        text_part = (
-            'Content-Type: text/plain; charset="utf-8"' + CRLF + "Content-Transfer-Encoding: quoted-printable"
-        )
+        text_part = 'Content-Type: text/plain; charset="utf-8"' + CRLF + "Content-Transfer-Encoding: quoted-printable"
         if self.html is None:
             body = text_part + CRLF + CRLF + _qp(self.text)
         else:
             html_part = (
-                'Content-Type: text/html; charset="utf-8"'
-                + CRLF
-                + "Content-Transfer-Encoding: quoted-printable"
+                'Content-Type: text/html; charset="utf-8"' + CRLF + "Content-Transfer-Encoding: quoted-printable"
             )
             b = self.boundary
             body = (

@@ -49,9 +49,7 @@ CAMPAIGN_TRANSITIONS: dict[str, tuple[frozenset[CampaignStatus], CampaignStatus]
     # resume goes back to ``approved`` when the campaign never started, else to ``sending``.
     "resume": (frozenset({CampaignStatus.PAUSED}), CampaignStatus.SENDING),
     "cancel": (
-        frozenset(
-            {CampaignStatus.DRAFT, CampaignStatus.APPROVED, CampaignStatus.SENDING, CampaignStatus.PAUSED}
-        ),
+        frozenset({CampaignStatus.DRAFT, CampaignStatus.APPROVED, CampaignStatus.SENDING, CampaignStatus.PAUSED}),
         CampaignStatus.CANCELLED,
     ),
 }

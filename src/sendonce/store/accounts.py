@@ -39,9 +39,7 @@ def split_api_key(api_key: str) -> tuple[int, str] | None:
     return int(account_part), secret
 
 
-async def create_account(
-    conn: Conn, *, name: str, from_email: str, from_name: str | None
-) -> tuple[Account, str]:
+async def create_account(conn: Conn, *, name: str, from_email: str, from_name: str | None) -> tuple[Account, str]:
     """Create an account; returns it and its API key, which is shown this once and never stored."""
     secret = secrets.token_urlsafe(32)
     row = await (

@@ -118,9 +118,7 @@ async def transition(
             await conn.execute("SELECT pg_notify('sendonce_work', 'campaign')")
         return TransitionResult(True, CampaignStatus(row["status"]), row["scheduled_for"])
     # Lost: read the status only to explain why.
-    cursor = await conn.execute(
-        query("campaign_status"), {"account_id": account_id, "campaign_id": campaign_id}
-    )
+    cursor = await conn.execute(query("campaign_status"), {"account_id": account_id, "campaign_id": campaign_id})
     current = await cursor.fetchone()
     return TransitionResult(False, CampaignStatus(current["status"]) if current else None)
 
@@ -130,9 +128,7 @@ async def campaign_counts(conn: Conn, account_id: int, campaign_id: int) -> Camp
     row = await (await conn.execute(query("campaign_counts"), params)).fetchone()
     assert row is not None
     by_status = {status.value: int(row[status.value]) for status in DeliveryStatus}
-    return CampaignCounts(
-        total=sum(by_status.values()), possible_duplicate=int(row["possible_duplicate"]), **by_status
-    )
+    return CampaignCounts(total=sum(by_status.values()), possible_duplicate=int(row["possible_duplicate"]), **by_status)
 
 
 async def list_possible_duplicates(

@@ -49,9 +49,7 @@ class EmbeddedPostgres:
         try:
             self._server = _pgserver().get_server(self.data_dir, cleanup_mode=None)
         except Exception as exc:  # the wheel raises plain exceptions; say what failed
-            raise ConfigurationError(
-                f"could not start the embedded PostgreSQL in {self.data_dir}: {exc}"
-            ) from exc
+            raise ConfigurationError(f"could not start the embedded PostgreSQL in {self.data_dir}: {exc}") from exc
 
     def url(self, database: str = DEFAULT_DATABASE) -> str:
         if self._server is None:

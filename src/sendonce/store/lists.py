@@ -9,9 +9,7 @@ from sendonce.store.queries import query
 
 
 async def create_list(conn: Conn, account_id: int, name: str) -> int:
-    row = await (
-        await conn.execute(query("create_list"), {"account_id": account_id, "name": name})
-    ).fetchone()
+    row = await (await conn.execute(query("create_list"), {"account_id": account_id, "name": name})).fetchone()
     assert row is not None
     return int(row["list_id"])
 

@@ -71,7 +71,7 @@ def upgrade(conninfo: str) -> list[Migration]:
         applied: dict[int, str] = {}
         if exists and exists[0]:
             rows = conn.execute("SELECT version, checksum FROM sendonce_meta.schema_migrations").fetchall()
-            applied = {version: checksum for version, checksum in rows}
+            applied = dict(rows)
         for migration in migrations:
             if migration.version in applied and applied[migration.version] != migration.checksum:
                 raise MigrationError(
@@ -82,8 +82,7 @@ def upgrade(conninfo: str) -> list[Migration]:
         unknown = sorted(set(applied) - {m.version for m in migrations})
         if unknown:
             raise MigrationError(
-                f"the database has migrations {unknown} that this version of sendonce does not know; "
-                "upgrade sendonce"
+                f"the database has migrations {unknown} that this version of sendonce does not know; upgrade sendonce"
             )
         if not pending:
             return []
@@ -103,7 +102,5 @@ def current_version(conninfo: str) -> int:
         row = conn.execute("SELECT to_regclass('sendonce_meta.schema_migrations') IS NOT NULL").fetchone()
         if not row or not row[0]:
             return 0
-        version = conn.execute(
-            "SELECT coalesce(max(version), 0) FROM sendonce_meta.schema_migrations"
-        ).fetchone()
+        version = conn.execute("SELECT coalesce(max(version), 0) FROM sendonce_meta.schema_migrations").fetchone()
         return int(version[0]) if version else 0

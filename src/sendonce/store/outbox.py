@@ -115,10 +115,7 @@ async def renew_leases(conn: Conn, held: Sequence[Fenced], lease_seconds: float)
         query("renew_leases"),
         {"lease_seconds": lease_seconds, **_columns(held, "account_id", "delivery_id", "attempt")},
     )
-    return {
-        (row["account_id"], row["delivery_id"]): bool(row["campaign_active"])
-        for row in await cursor.fetchall()
-    }
+    return {(row["account_id"], row["delivery_id"]): bool(row["campaign_active"]) for row in await cursor.fetchall()}
 
 
 async def record_sent(conn: Conn, items: Sequence[SentRecord]) -> set[Key]:
@@ -176,9 +173,7 @@ async def release_claims(conn: Conn, items: Sequence[Fenced]) -> int:
     """Give back claimed rows that were never started; returns how many were still ours."""
     if not items:
         return 0
-    cursor = await conn.execute(
-        query("release_claims"), _columns(items, "account_id", "delivery_id", "attempt")
-    )
+    cursor = await conn.execute(query("release_claims"), _columns(items, "account_id", "delivery_id", "attempt"))
     row = await cursor.fetchone()
     return int(row["n"]) if row else 0
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from importlib import resources
-from typing import LiteralString, cast
+from typing import LiteralString
 
 _HEADER = re.compile(r"^-- ([a-z_][a-z0-9_]*) --\s*$", re.MULTILINE)
 
@@ -45,4 +45,4 @@ QUERIES = _load()
 
 def query(name: str) -> LiteralString:
     """The statement called ``name``. The text comes from our own package file, never from input."""
-    return cast(LiteralString, QUERIES[name])
+    return QUERIES[name]

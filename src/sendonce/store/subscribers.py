@@ -83,4 +83,10 @@ async def upsert_subscribers(conn: Conn, account_id: int, rows: list[SubscriberI
                     "subscriber_ids": [p[1] for p in pairs],
                 },
             )
-    return [UpsertResult(ids[row.address.key], row.address.key in created) for row in rows]
+    results = []
+    for row in rows:
+        key = row.address.key
+        # Only the first row of a new address counts as its creation; the others updated it.
+        results.append(UpsertResult(ids[key], key in created))
+        created.discard(key)
+    return results

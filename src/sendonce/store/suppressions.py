@@ -18,7 +18,5 @@ async def add_suppression(conn: Conn, account_id: int, address: Address, reason:
 
 
 async def delete_suppression(conn: Conn, account_id: int, address: Address) -> bool:
-    cursor = await conn.execute(
-        query("delete_suppression"), {"account_id": account_id, "email_key": address.key}
-    )
+    cursor = await conn.execute(query("delete_suppression"), {"account_id": account_id, "email_key": address.key})
     return await cursor.fetchone() is not None

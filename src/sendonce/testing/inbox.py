@@ -109,7 +109,7 @@ class _Handler:
         )
         if faults.roll(faults.drop_after_data):
             faults.counts["dropped_after_data"] += 1
-            if server.transport is not None:
+            if isinstance(server.transport, asyncio.Transport):
                 server.transport.abort()
         self.inbox.accepted_total += 1
         return f"250 2.0.0 Ok: queued as {self.inbox.accepted_total}"
@@ -118,8 +118,16 @@ class _Handler:
 class Inbox:
     """A real SMTP server on 127.0.0.1 that keeps what it receives. Use as a context manager."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, faults: InboxFaults | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        faults: InboxFaults | None = None,
+        smtputf8: bool = True,
+    ) -> None:
         self.host = host
+        self.smtputf8 = smtputf8
         self._requested_port = port
         self.faults = faults or InboxFaults()
         self._lock = threading.Lock()
@@ -133,7 +141,7 @@ class Inbox:
             _Handler(self),
             hostname=self.host,
             port=port,
-            enable_SMTPUTF8=True,
+            enable_SMTPUTF8=self.smtputf8,
             decode_data=False,
             data_size_limit=10 * 1024 * 1024,
             server_hostname="inbox.sendonce.test",

@@ -54,6 +54,8 @@ class ResendFaults:
     server_error: float = 0.0
     accept_then_stall: float = 0.0
     stall_seconds: float = 5.0
+    delay_seconds: float = 0.0
+    """Every request waits this long before it is handled (a slow provider)."""
     seed: int | None = None
     counts: Counter[str] = field(default_factory=Counter)
 
@@ -71,9 +73,9 @@ class ResendServer:
         self._lock = threading.Lock()
         self.accepted: list[AcceptedEmail] = []
         self.requests = 0
-        self._keys: dict[
-            str, tuple[str, dict[str, Any] | None]
-        ] = {}  # key -> (body hash, answer or None: in flight)
+        self.request_log: list[tuple[float, str | None]] = []
+        """(arrival time, idempotency key) of every request, accepted or not."""
+        self._keys: dict[str, tuple[str, dict[str, Any] | None]] = {}  # key -> (body hash, answer or None: in flight)
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
@@ -82,6 +84,9 @@ class ResendServer:
     async def _emails(self, request: Request) -> JSONResponse:
         with self._lock:
             self.requests += 1
+            self.request_log.append((time.time(), request.headers.get("idempotency-key")))
+        if self.faults.delay_seconds:
+            await asyncio.sleep(self.faults.delay_seconds)
         if request.headers.get("authorization") != f"Bearer {self.api_key}":
             return JSONResponse({"name": "invalid_api_key", "message": "API key is invalid"}, status_code=401)
         raw = await request.body()
@@ -90,9 +95,7 @@ class ResendServer:
         except ValueError:
             return JSONResponse({"name": "validation_error", "message": "invalid JSON"}, status_code=422)
         if not isinstance(body, dict) or not body.get("to") or not body.get("from"):
-            return JSONResponse(
-                {"name": "validation_error", "message": "from and to are required"}, status_code=422
-            )
+            return JSONResponse({"name": "validation_error", "message": "from and to are required"}, status_code=422)
         faults = self.faults
         if faults.roll(faults.rate_limited):
             faults.counts["429"] += 1
@@ -131,9 +134,7 @@ class ResendServer:
                 return JSONResponse(answer, status_code=200)
             if key is not None:
                 self._keys[key] = (digest, None)
-            email_id = hashlib.sha256(f"{key}:{time.time_ns()}:{len(self.accepted)}".encode()).hexdigest()[
-                :32
-            ]
+            email_id = hashlib.sha256(f"{key}:{time.time_ns()}:{len(self.accepted)}".encode()).hexdigest()[:32]
             self.accepted.append(AcceptedEmail(email_id, key, body, time.time()))
         answer = {"id": email_id}
         stall = faults.roll(faults.accept_then_stall)

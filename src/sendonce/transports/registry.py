@@ -56,9 +56,7 @@ def transport_from_url(url: str, *, concurrency: int = 10) -> Transport:
     if scheme.startswith("resend"):
         key = username or password
         if not key:
-            raise TransportConfigError(
-                "a resend:// URL needs the API key as its user part: resend://KEY@host"
-            )
+            raise TransportConfigError("a resend:// URL needs the API key as its user part: resend://KEY@host")
         http_scheme = "http" if scheme == "resend+http" else "https"
         netloc = f"[{host}]" if ":" in host else host
         if port:
@@ -69,7 +67,7 @@ def transport_from_url(url: str, *, concurrency: int = 10) -> Transport:
         host=host,
         port=port or {"smtp": 25, "smtp+starttls": 587, "smtps": 465}[scheme],
         use_tls=scheme == "smtps",
-        start_tls=True if scheme == "smtp+starttls" else False,
+        start_tls=scheme == "smtp+starttls",
         username=username,
         password=password,
         timeout=timeout,

@@ -115,9 +115,7 @@ class ResendChannel(Channel):
             # The provider may have accepted it before we gave up; the same key makes a re-send safe.
             return Retry(f"timeout: {type(exc).__name__}", uncertain=True)
         except httpx.HTTPError as exc:
-            return Retry(
-                f"{type(exc).__name__}: {exc}"[:500], uncertain=isinstance(exc, httpx.RemoteProtocolError)
-            )
+            return Retry(f"{type(exc).__name__}: {exc}"[:500], uncertain=isinstance(exc, httpx.RemoteProtocolError))
         status = response.status_code
         if 200 <= status < 300:
             try:

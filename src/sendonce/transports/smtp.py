@@ -84,6 +84,9 @@ class SmtpChannel(Channel):
             local_hostname=s.local_hostname,
         )
         await smtp.connect(timeout=timeout)
+        if smtp.is_ehlo_or_helo_needed:
+            # Extensions (SMTPUTF8, 8BITMIME) are known only after EHLO.
+            await smtp.ehlo(timeout=timeout)
         self._smtp = smtp
         self._dirty = False
         return smtp
@@ -117,9 +120,7 @@ class SmtpChannel(Channel):
                 await self.close()
             if 500 <= exc.code < 600:
                 # A 5xx to RCPT or DATA rejects this recipient for good: a hard bounce.
-                return Permanent(
-                    f"{phase}: {exc.code} {exc.message}"[:500], hard_bounce=phase in ("rcpt", "data")
-                )
+                return Permanent(f"{phase}: {exc.code} {exc.message}"[:500], hard_bounce=phase in ("rcpt", "data"))
             return Retry(f"{phase}: {exc.code} {exc.message}"[:500])
         except (TimeoutError, aiosmtplib.SMTPException, OSError) as exc:
             await self.close()

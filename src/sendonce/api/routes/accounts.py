@@ -24,6 +24,4 @@ async def create_account(body: AccountIn, conn: Db, _: Annotated[None, Depends(r
     account, api_key = await store.create_account(
         conn, name=body.name, from_email=sender.normalized, from_name=body.from_name
     )
-    return AccountOut(
-        id=account.account_id, name=account.name, from_email=account.from_email, api_key=api_key
-    )
+    return AccountOut(id=account.account_id, name=account.name, from_email=account.from_email, api_key=api_key)

@@ -88,9 +88,7 @@ async def upsert(body: SubscribersIn, account: CurrentAccount, conn: Db) -> JSON
         except RowError as exc:
             email = row.email if isinstance(row.email, str) else None
             results[index] = SubscriberResult(index=index, email=email, result="error", error=str(exc))
-    known = await list_store.existing_lists(
-        conn, account.account_id, [i for _, r in parsed for i in r.list_ids]
-    )
+    known = await list_store.existing_lists(conn, account.account_id, [i for _, r in parsed for i in r.list_ids])
     good: list[tuple[int, SubscriberInput]] = []
     for index, sub in parsed:
         unknown = sorted(set(sub.list_ids) - known)
@@ -105,9 +103,10 @@ async def upsert(body: SubscribersIn, account: CurrentAccount, conn: Db) -> JSON
             index=index, email=sub.address.given, result="created" if created else "updated", id=subscriber_id
         )
     final = [r for r in results if r is not None]
+    created_ids = {r.id for r in final if r.result == "created"}
     out = SubscribersOut(
-        created=sum(r.result == "created" for r in final),
-        updated=sum(r.result == "updated" for r in final),
+        created=len(created_ids),
+        updated=len({r.id for r in final if r.result == "updated"} - created_ids),
         errors=sum(r.result == "error" for r in final),
         results=final,
     )
@@ -118,9 +117,7 @@ async def upsert(body: SubscribersIn, account: CurrentAccount, conn: Db) -> JSON
 
 @router.post(
     "/v1/subscribers/import",
-    openapi_extra={
-        "requestBody": {"content": {"text/csv": {"schema": {"type": "string"}}}, "required": True}
-    },
+    openapi_extra={"requestBody": {"content": {"text/csv": {"schema": {"type": "string"}}}, "required": True}},
 )
 async def import_csv(
     request: Request,
@@ -148,7 +145,6 @@ async def import_csv(
         raise Problem(422, "the CSV has no 'email' column (the first line must name the columns)")
     reader.fieldnames = fields
     errors: list[dict[str, Any]] = []
-    created = updated = 0
     pending: list[tuple[int, SubscriberInput]] = []
     try:
         rows = list(reader)
@@ -169,13 +165,20 @@ async def import_csv(
             )
         except RowError as exc:
             errors.append({"line": line, "email": row.get("email"), "error": str(exc)})
+    created_ids: set[int] = set()
+    updated_ids: set[int] = set()
     for start in range(0, len(pending), IMPORT_CHUNK):
-        for _, _, _, was_created in await _apply(
-            conn, account.account_id, pending[start : start + IMPORT_CHUNK]
-        ):
-            created += was_created
-            updated += not was_created
-    body = {"created": created, "updated": updated, "errors": len(errors), "error_rows": errors[:1000]}
+        chunk = pending[start : start + IMPORT_CHUNK]
+        for _, _, subscriber_id, was_created in await _apply(conn, account.account_id, chunk):
+            (created_ids if was_created else updated_ids).add(subscriber_id)
+    created, updated = len(created_ids), len(updated_ids - created_ids)
     if not pending:
-        raise Problem(422, "no valid row in the file; nothing was written", **body)
-    return JSONResponse(body)
+        raise Problem(
+            422,
+            "no valid row in the file; nothing was written",
+            created=0,
+            updated=0,
+            errors=len(errors),
+            error_rows=errors[:1000],
+        )
+    return JSONResponse({"created": created, "updated": updated, "errors": len(errors), "error_rows": errors[:1000]})

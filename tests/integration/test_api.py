@@ -1,0 +1,303 @@
+"""The HTTP API over real HTTP (uvicorn on loopback) against real PostgreSQL."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from sendonce.testing.tcp_proxy import TcpProxy
+from tests.conftest import ApiServer
+from tests.helpers import proxy_target, through_proxy
+
+ADMIN = {"Authorization": "Bearer test-admin-token"}
+
+
+@pytest.fixture
+def client(api_server: ApiServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=api_server.url, timeout=10) as c:
+        yield c
+
+
+def _problem(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    body = response.json()
+    assert body["status"] == status
+    assert body["type"].startswith("https://sendonce.dev/problems/")
+    assert body["title"] and body["detail"]
+    return body
+
+
+def _account(client: httpx.Client, name: str = "acme") -> dict[str, str]:
+    response = client.post("/v1/accounts", json={"name": name, "from_email": "news@acme.test"}, headers=ADMIN)
+    assert response.status_code == 201, response.text
+    body = response.json()
+    assert body["api_key"].startswith("sk_")
+    return {"Authorization": f"Bearer {body['api_key']}"}
+
+
+def _count(database_url: str, sql: str) -> int:
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(sql).fetchone()  # type: ignore[arg-type]
+        assert row is not None
+        return int(row[0])
+
+
+def test_openapi_and_health(client: httpx.Client) -> None:
+    spec = client.get("/openapi.json").json()
+    for path in (
+        "/v1/accounts",
+        "/v1/lists",
+        "/v1/subscribers",
+        "/v1/subscribers/import",
+        "/v1/campaigns",
+        "/v1/campaigns/{campaign_id}/approve",
+        "/v1/suppressions",
+        "/v1/suppressions/{email}",
+    ):
+        assert path in spec["paths"], path
+    assert client.get("/health").json() == {"status": "ok", "database": "ok"}
+
+
+def test_admin_routes_need_the_admin_token(client: httpx.Client) -> None:
+    body = {"name": "x", "from_email": "a@b.test"}
+    _problem(client.post("/v1/accounts", json=body), 401)
+    _problem(client.post("/v1/accounts", json=body, headers={"Authorization": "Bearer wrong"}), 401)
+    _problem(client.post("/v1/accounts", json={"name": "x", "from_email": "nope"}, headers=ADMIN), 422)
+
+
+def test_a_full_campaign_lifecycle(client: httpx.Client, database_url: str) -> None:
+    auth = _account(client)
+    list_a = client.post("/v1/lists", json={"name": "weekly"}, headers=auth).json()["id"]
+    list_b = client.post("/v1/lists", json={"name": "monthly"}, headers=auth).json()["id"]
+    response = client.post(
+        "/v1/subscribers",
+        json={
+            "subscribers": [
+                {"email": "ann@example.test", "name": "Ann", "lists": [list_a]},
+                {"email": "ANN@Example.TEST", "lists": [list_b]},
+                {"email": "not an address", "lists": [list_a]},
+                {"email": "bob@example.test", "lists": [999_999]},
+                {"email": "carl@example.test", "status": "nope"},
+                {"email": "dora@example.test", "lists": [list_b], "status": "confirmed"},
+            ]
+        },
+        headers=auth,
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert (body["created"], body["updated"], body["errors"]) == (2, 0, 3)
+    results = body["results"]
+    assert results[0]["id"] == results[1]["id"]  # same person, typed twice
+    assert [r["result"] for r in results] == ["created", "updated", "error", "error", "error", "created"]
+    assert "not a valid email address" in results[2]["error"]
+    assert "unknown list" in results[3]["error"]
+    assert "status must be one of" in results[4]["error"]
+    assert _count(database_url, "SELECT count(*) FROM sendonce.subscribers") == 2
+    assert _count(database_url, "SELECT count(*) FROM sendonce.list_members") == 3
+
+    created = client.post(
+        "/v1/campaigns",
+        json={
+            "name": "Issue 1",
+            "subject": "Hi {{ name }}",
+            "text": "Hello {{ email }}",
+            "lists": [list_a, list_b],
+        },
+        headers=auth,
+    )
+    assert created.status_code == 201, created.text
+    campaign = created.json()
+    assert campaign["status"] == "draft"
+    cid = campaign["id"]
+    approved = client.post(f"/v1/campaigns/{cid}/approve", headers=auth)
+    assert approved.status_code == 200, approved.text
+    assert approved.json()["status"] == "approved"
+    twice = _problem(client.post(f"/v1/campaigns/{cid}/approve", json={}, headers=auth), 409)
+    assert twice["current_status"] == "approved"
+    assert twice["type"].endswith("invalid-transition")
+    state = client.get(f"/v1/campaigns/{cid}", headers=auth).json()
+    assert state["status"] == "approved"
+    assert state["counts"] == {
+        "total": 0,
+        "queued": 0,
+        "sending": 0,
+        "sent": 0,
+        "suppressed": 0,
+        "failed": 0,
+        "possible_duplicate": 0,
+    }
+    assert client.post(f"/v1/campaigns/{cid}/pause", headers=auth).json()["status"] == "paused"
+    assert client.post(f"/v1/campaigns/{cid}/resume", headers=auth).json()["status"] == "approved"
+    assert client.post(f"/v1/campaigns/{cid}/cancel", headers=auth).json()["status"] == "cancelled"
+    _problem(client.post(f"/v1/campaigns/{cid}/resume", headers=auth), 409)
+    assert client.get(f"/v1/campaigns/{cid}/duplicates", headers=auth).json() == {
+        "campaign_id": cid,
+        "entries": [],
+    }
+
+
+def test_scheduled_approval(client: httpx.Client) -> None:
+    auth = _account(client)
+    lst = client.post("/v1/lists", json={"name": "l"}, headers=auth).json()["id"]
+    cid = client.post(
+        "/v1/campaigns", json={"name": "n", "subject": "s", "text": "t", "lists": [lst]}, headers=auth
+    ).json()["id"]
+    response = client.post(f"/v1/campaigns/{cid}/approve", json={"scheduled_for": "2030-01-01T09:00:00Z"}, headers=auth)
+    assert response.status_code == 200
+    assert response.json()["scheduled_for"].startswith("2030-01-01T09:00:00")
+    _problem(client.post(f"/v1/campaigns/{cid}/approve", json={"scheduled_for": "next tuesday"}, headers=auth), 422)
+
+
+def test_an_account_never_sees_another_accounts_data(client: httpx.Client) -> None:
+    alice = _account(client, "alice")
+    mallory = _account(client, "mallory")
+    lst = client.post("/v1/lists", json={"name": "l"}, headers=alice).json()["id"]
+    cid = client.post(
+        "/v1/campaigns", json={"name": "n", "subject": "s", "text": "t", "lists": [lst]}, headers=alice
+    ).json()["id"]
+    _problem(client.get(f"/v1/campaigns/{cid}", headers=mallory), 404)
+    _problem(client.post(f"/v1/campaigns/{cid}/approve", headers=mallory), 404)
+    _problem(client.get(f"/v1/campaigns/{cid}/duplicates", headers=mallory), 404)
+    # a list of another account is an unknown list
+    bad = _problem(
+        client.post("/v1/campaigns", json={"name": "n", "subject": "s", "text": "t", "lists": [lst]}, headers=mallory),
+        422,
+    )
+    assert "unknown list" in bad["detail"]
+    assert client.get(f"/v1/campaigns/{cid}", headers=alice).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        "Bearer",
+        "Basic abc",
+        "Bearer sk_1_short",
+        "Bearer sk_999999_aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+        "Bearer garbage",
+    ],
+)
+def test_missing_or_wrong_keys_get_401(client: httpx.Client, header: str | None) -> None:
+    headers = {"Authorization": header} if header else {}
+    body = _problem(client.post("/v1/lists", json={"name": "x"}, headers=headers), 401)
+    assert body["detail"]
+
+
+def test_a_forged_key_for_a_real_account_gets_401(client: httpx.Client) -> None:
+    auth = _account(client)
+    real = auth["Authorization"]
+    forged = real[:-4] + ("AAAA" if not real.endswith("AAAA") else "BBBB")
+    _problem(client.post("/v1/lists", json={"name": "x"}, headers={"Authorization": forged}), 401)
+
+
+def test_bad_campaign_input_gets_clear_422s_and_writes_nothing(client: httpx.Client, database_url: str) -> None:
+    auth = _account(client)
+    lst = client.post("/v1/lists", json={"name": "l"}, headers=auth).json()["id"]
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"name": "n", "subject": "s", "text": "t", "lists": [lst, 424242]}, "unknown list"),
+        ({"name": "n", "subject": "s", "text": "t", "lists": []}, "lists"),
+        ({"name": "n", "subject": "s", "text": "t", "lists": [2**70]}, "lists"),
+        ({"name": "n", "subject": "{{ oops", "text": "t", "lists": [lst]}, "syntax error"),
+        ({"name": "n", "subject": "s", "text": "{{ secret }}", "lists": [lst]}, "unknown template variable"),
+        ({"name": "n", "subject": "s", "text": "a\x00b", "lists": [lst]}, "NUL"),
+        ({"subject": "s", "text": "t", "lists": [lst]}, "name"),
+        ({"name": "", "subject": "s", "text": "t", "lists": [lst]}, "name"),
+    ]
+    for body, expected in cases:
+        problem = _problem(client.post("/v1/campaigns", json=body, headers=auth), 422)
+        assert expected in problem["detail"], (body, problem)
+    assert _count(database_url, "SELECT count(*) FROM sendonce.campaigns") == 0
+
+
+def test_malformed_json_and_wrong_types(client: httpx.Client) -> None:
+    auth = _account(client)
+    response = client.post("/v1/lists", content=b"{not json", headers={**auth, "Content-Type": "application/json"})
+    problem = _problem(response, 422)
+    assert "JSON" in problem["detail"]
+    _problem(client.post("/v1/lists", json=["a", "list"], headers=auth), 422)
+    _problem(client.post("/v1/subscribers", json={"subscribers": []}, headers=auth), 422)
+    _problem(client.post("/v1/campaigns/abc/approve", headers=auth), 422)
+    _problem(client.post(f"/v1/campaigns/{2**70}/approve", headers=auth), 422)
+
+
+def test_all_bad_rows_get_422_and_nothing_is_written(client: httpx.Client, database_url: str) -> None:
+    auth = _account(client)
+    problem = _problem(
+        client.post("/v1/subscribers", json={"subscribers": [{"email": "x@"}, {"email": 42}, {}]}, headers=auth),
+        422,
+    )
+    assert problem["errors"] == 3
+    assert _count(database_url, "SELECT count(*) FROM sendonce.subscribers") == 0
+
+
+def test_oversized_bodies_get_413_before_being_read(client: httpx.Client, database_url: str) -> None:
+    auth = _account(client)
+    huge = {"subscribers": [{"email": f"user{i}@example.test", "name": "x" * 150} for i in range(8000)]}
+    problem = _problem(client.post("/v1/subscribers", json=huge, headers=auth), 413)
+    assert "larger than" in problem["detail"]
+    assert _count(database_url, "SELECT count(*) FROM sendonce.subscribers") == 0
+
+
+def test_csv_import(client: httpx.Client, database_url: str) -> None:
+    auth = _account(client)
+    lst = client.post("/v1/lists", json={"name": "l"}, headers=auth).json()["id"]
+    csv_body = "Email,Name\nann@example.test,Ann\nnot-an-address,X\nBOB@example.test,\nann@EXAMPLE.test,Ann B\n"
+    response = client.post(
+        f"/v1/subscribers/import?list={lst}",
+        content=csv_body.encode(),
+        headers={**auth, "Content-Type": "text/csv"},
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert (body["created"], body["errors"]) == (2, 1)
+    assert body["error_rows"][0]["line"] == 3
+    assert _count(database_url, "SELECT count(*) FROM sendonce.subscribers") == 2
+    assert _count(database_url, "SELECT count(*) FROM sendonce.list_members") == 2
+    csv_headers = {**auth, "Content-Type": "text/csv"}
+    _problem(client.post(f"/v1/subscribers/import?list={lst}", content=b"name\nx\n", headers=csv_headers), 422)
+    _problem(
+        client.post(f"/v1/subscribers/import?list={lst}", content=b"email\n\xff\xfe\n", headers=csv_headers),
+        422,
+    )
+    _problem(
+        client.post("/v1/subscribers/import?list=987654", content=b"email\na@b.test\n", headers=csv_headers),
+        422,
+    )
+    _problem(client.post(f"/v1/subscribers/import?list={lst}", content=b"email\na@b.test\n", headers=auth), 415)
+    _problem(client.post(f"/v1/subscribers/import?list={lst}", content=b"email\nnope\n", headers=csv_headers), 422)
+
+
+def test_suppressions(client: httpx.Client) -> None:
+    auth = _account(client)
+    first = client.post("/v1/suppressions", json={"email": "Ann@Example.test", "reason": "complaint"}, headers=auth)
+    assert first.status_code == 201
+    assert first.json()["email_key"] == "ann@example.test"
+    assert client.post("/v1/suppressions", json={"email": "ann@example.test"}, headers=auth).status_code == 200
+    _problem(client.post("/v1/suppressions", json={"email": "nope"}, headers=auth), 422)
+    _problem(client.post("/v1/suppressions", json={"email": "a@b.test", "reason": "whim"}, headers=auth), 422)
+    assert client.delete("/v1/suppressions/ANN@example.test", headers=auth).status_code == 204
+    _problem(client.delete("/v1/suppressions/ann@example.test", headers=auth), 404)
+
+
+def test_an_unreachable_database_gets_a_503_that_can_be_retried(database_url: str) -> None:
+    with (
+        TcpProxy(**proxy_target(database_url)) as proxy,  # type: ignore[arg-type]
+        ApiServer(through_proxy(database_url, proxy.port)) as server,
+        httpx.Client(base_url=server.url, timeout=30) as c,
+    ):
+        auth = _account(c)
+        assert c.post("/v1/lists", json={"name": "before"}, headers=auth).status_code == 201
+        proxy.cut()
+        problem = _problem(c.post("/v1/lists", json={"name": "during"}, headers=auth), 503)
+        assert c.post("/v1/lists", json={"name": "during"}, headers=auth).headers["retry-after"]
+        assert "retry" in problem["detail"]
+        assert c.get("/health").status_code == 503
+        proxy.heal()
+        assert c.post("/v1/lists", json={"name": "after"}, headers=auth).status_code == 201
+    assert _count(database_url, "SELECT count(*) FROM sendonce.lists") == 2

@@ -1,0 +1,359 @@
+"""Each of the four seed mechanisms, the lease and the fencing token, tested directly in PostgreSQL.
+
+Each test fails when its mechanism is removed (see the comment on each test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import psycopg
+
+from sendonce.domain.addresses import parse_address
+from sendonce.domain.states import SubscriberStatus, SuppressionReason
+from sendonce.store import campaigns, lists, outbox, suppressions
+from sendonce.store.database import Conn, connect
+from sendonce.store.outbox import SentRecord
+from tests.helpers import add_subscribers, campaign_setup, emails, make_account
+
+LEASE = 30.0
+
+
+async def _claim_all(
+    url: str, *, limit: int = 20, idempotent: bool = True, worker: str = "w"
+) -> list[outbox.ClaimedDelivery]:
+    async with await connect(url) as conn:
+        out: list[outbox.ClaimedDelivery] = []
+        while batch := await outbox.claim_batch(
+            conn, limit=limit, lease_seconds=LEASE, worker=worker, transport_idempotent=idempotent
+        ):
+            out.extend(batch)
+        return out
+
+
+async def _start_and_build(url: str, chunk: int = 5000) -> None:
+    async with await connect(url) as conn:
+        await outbox.start_due_campaigns(conn)
+        while await outbox.build_next_chunk(conn, chunk):
+            pass
+
+
+async def _holding_campaign_row(url: str, account_id: int, campaign_id: int) -> tuple[Conn, asyncio.Event]:
+    """Lock the campaign row in an open transaction, so that concurrent UPDATEs queue up behind it."""
+    conn = await connect(url, autocommit=False)
+    await conn.execute(
+        "SELECT 1 FROM sendonce.campaigns WHERE account_id = %s AND campaign_id = %s FOR UPDATE",
+        (account_id, campaign_id),
+    )
+    return conn, asyncio.Event()
+
+
+# -- 2. compare-and-set --------------------------------------------------------------------------
+
+
+async def test_concurrent_start_transitions_exactly_one_wins(database_url: str) -> None:
+    """Without ``WHERE status = 'approved'`` in start_due_campaigns, every racer would win."""
+    setup = await campaign_setup(database_url, emails(5))
+    holder, _ = await _holding_campaign_row(database_url, setup.account_id, setup.campaign_id)
+    racers = [await connect(database_url) for _ in range(8)]
+    try:
+        tasks = [asyncio.create_task(outbox.start_due_campaigns(c)) for c in racers]
+        await asyncio.sleep(0.3)  # every racer is now blocked on the row lock
+        await holder.commit()
+        results = await asyncio.gather(*tasks)
+    finally:
+        await holder.close()
+        for c in racers:
+            await c.close()
+    assert sum(len(r) for r in results) == 1
+
+
+async def test_concurrent_approvals_exactly_one_wins(database_url: str) -> None:
+    setup = await campaign_setup(database_url, emails(5), approve=False)
+    assert setup.campaign_id is not None
+    holder, _ = await _holding_campaign_row(database_url, setup.account_id, setup.campaign_id)
+    racers = [await connect(database_url) for _ in range(6)]
+    try:
+        tasks = [
+            asyncio.create_task(campaigns.transition(c, setup.account_id, setup.campaign_id, "approve")) for c in racers
+        ]
+        await asyncio.sleep(0.3)
+        await holder.commit()
+        results = await asyncio.gather(*tasks)
+    finally:
+        await holder.close()
+        for c in racers:
+            await c.close()
+    assert [r.won for r in results].count(True) == 1
+    assert all(r.status is not None and r.status.value == "approved" for r in results)
+
+
+async def test_pause_resume_cancel_are_cas(database_url: str) -> None:
+    setup = await campaign_setup(database_url, emails(3))
+    assert setup.campaign_id is not None
+    async with await connect(database_url) as conn:
+        aid, cid = setup.account_id, setup.campaign_id
+        assert (await campaigns.transition(conn, aid, cid, "resume")).won is False  # not paused
+        paused = await campaigns.transition(conn, aid, cid, "pause")
+        assert paused.won and paused.status is not None and paused.status.value == "paused"
+        assert (await campaigns.transition(conn, aid, cid, "pause")).won is False
+        resumed = await campaigns.transition(conn, aid, cid, "resume")
+        # never started: back to approved, not to sending
+        assert resumed.won and resumed.status is not None and resumed.status.value == "approved"
+        assert (await campaigns.transition(conn, aid, cid, "cancel")).won
+        lost = await campaigns.transition(conn, aid, cid, "approve")
+        assert not lost.won and lost.status is not None and lost.status.value == "cancelled"
+        assert (
+            await campaigns.transition(conn, 999_999, cid, "pause")
+        ).status is None  # other account: no such campaign
+
+
+# -- 3. uniqueness ---------------------------------------------------------------------------------
+
+
+async def test_rebuilding_after_a_crash_creates_nothing_twice(database_url: str) -> None:
+    """Without ON CONFLICT DO NOTHING the rebuild fails on the unique index (or, without the index, duplicates)."""
+    setup = await campaign_setup(database_url, emails(250))
+    async with await connect(database_url) as conn:
+        await outbox.start_due_campaigns(conn)
+        # two chunks built, then the process "dies"
+        await outbox.build_next_chunk(conn, 100)
+        await outbox.build_next_chunk(conn, 100)
+        # the worst case: the cursor was lost and the build starts over from the beginning
+        await conn.execute(
+            "UPDATE sendonce.campaigns SET build_cursor = 0 WHERE campaign_id = %s", (setup.campaign_id,)
+        )
+        progress = []
+        while (p := await outbox.build_next_chunk(conn, 100)) is not None:
+            progress.append(p)
+        total = await (await conn.execute("SELECT count(*) AS n FROM sendonce.deliveries")).fetchone()
+    assert total is not None and total["n"] == 250
+    assert sum(p.inserted for p in progress) == 50  # only the part never built before
+    assert progress[-1].done
+
+
+async def test_an_address_in_two_lists_or_typed_twice_gets_one_delivery(database_url: str) -> None:
+    async with await connect(database_url) as conn:
+        aid, _ = await make_account(conn)
+        a = await lists.create_list(conn, aid, "a")
+        b = await lists.create_list(conn, aid, "b")
+        await add_subscribers(conn, aid, ["Ann@Example.test", "bob@example.test"], [a])
+        await add_subscribers(conn, aid, ["ann@EXAMPLE.TEST", "carl@example.test"], [b])
+        cid = await campaigns.create_campaign(
+            conn,
+            account_id=aid,
+            name="n",
+            subject="s",
+            text_body="t",
+            html_body=None,
+            from_email="news@sender.test",
+            from_name=None,
+            list_ids=[a, b],
+        )
+        assert (await campaigns.transition(conn, aid, cid, "approve")).won
+    await _start_and_build(database_url)
+    claimed = await _claim_all(database_url)
+    assert sorted(parse_address(d.email).key for d in claimed) == [
+        "ann@example.test",
+        "bob@example.test",
+        "carl@example.test",
+    ]
+
+
+async def test_the_unique_index_is_the_last_line_of_defence(database_url: str) -> None:
+    """Even a buggy insert path cannot give one address two deliveries in one campaign."""
+    setup = await campaign_setup(database_url, emails(1))
+    await _start_and_build(database_url)
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute("SELECT * FROM sendonce.deliveries").fetchone()
+        assert row is not None
+        try:
+            conn.execute(
+                """INSERT INTO sendonce.deliveries
+                          (account_id, job_id, kind, campaign_id, subscriber_id, email, email_key)
+                   SELECT account_id, job_id || ':again', kind, campaign_id, subscriber_id, email, email_key
+                     FROM sendonce.deliveries"""
+            )
+        except psycopg.errors.UniqueViolation:
+            conn.rollback()
+        else:
+            raise AssertionError("a second delivery for the same address was accepted")
+    del setup
+
+
+async def test_build_skips_unconfirmed_and_suppressed_subscribers(database_url: str) -> None:
+    async with await connect(database_url) as conn:
+        aid, _ = await make_account(conn)
+        lst = await lists.create_list(conn, aid, "l")
+        await add_subscribers(conn, aid, ["ok@example.test"], [lst])
+        await add_subscribers(conn, aid, ["pending@example.test"], [lst], SubscriberStatus.PENDING)
+        await add_subscribers(conn, aid, ["gone@example.test"], [lst], SubscriberStatus.UNSUBSCRIBED)
+        await add_subscribers(conn, aid, ["blocked@example.test"], [lst])
+        await suppressions.add_suppression(conn, aid, parse_address("BLOCKED@example.test"), SuppressionReason.MANUAL)
+        cid = await campaigns.create_campaign(
+            conn,
+            account_id=aid,
+            name="n",
+            subject="s",
+            text_body="t",
+            html_body=None,
+            from_email="news@sender.test",
+            from_name=None,
+            list_ids=[lst],
+        )
+        assert (await campaigns.transition(conn, aid, cid, "approve")).won
+    await _start_and_build(database_url)
+    assert [d.email for d in await _claim_all(database_url)] == ["ok@example.test"]
+
+
+# -- 4. claims -------------------------------------------------------------------------------------
+
+
+async def test_concurrent_claimers_get_disjoint_batches(database_url: str) -> None:
+    """Without the row locks of the claim, two claimers would both take (and send) the same rows."""
+    await campaign_setup(database_url, emails(1500))
+    await _start_and_build(database_url)
+    results = await asyncio.gather(*[_claim_all(database_url, limit=25, worker=f"w{i}") for i in range(8)])
+    ids = [d.delivery_id for batch in results for d in batch]
+    assert len(ids) == 1500
+    assert len(set(ids)) == 1500
+    assert all(d.attempt == 1 for batch in results for d in batch)
+    assert sum(1 for batch in results if batch) >= 2  # the work really was shared
+
+
+async def test_an_opt_out_after_the_build_is_honoured_at_claim(database_url: str) -> None:
+    """Without the re-check inside the claim, these three would be claimed for sending."""
+    setup = await campaign_setup(database_url, emails(10))
+    await _start_and_build(database_url)
+    async with await connect(database_url) as conn:
+        aid = setup.account_id
+        await suppressions.add_suppression(
+            conn, aid, parse_address("user000001@example.test"), SuppressionReason.UNSUBSCRIBE
+        )
+        await conn.execute(
+            "UPDATE sendonce.subscribers SET status = 'unsubscribed' WHERE email = 'user000002@example.test'"
+        )
+        await conn.execute(
+            """UPDATE sendonce.list_members SET status = 'unsubscribed'
+                WHERE subscriber_id = (SELECT subscriber_id FROM sendonce.subscribers
+                                        WHERE email = 'user000003@example.test')"""
+        )
+    claimed = await _claim_all(database_url)
+    blocked = sorted(d.email for d in claimed if d.blocked)
+    assert blocked == ["user000001@example.test", "user000002@example.test", "user000003@example.test"]
+    async with await connect(database_url) as conn:
+        assert setup.campaign_id is not None
+        counts = await campaigns.campaign_counts(conn, aid, setup.campaign_id)
+    assert (counts.suppressed, counts.sending, counts.total) == (3, 7, 10)
+
+
+async def test_paused_campaigns_are_not_claimed(database_url: str) -> None:
+    setup = await campaign_setup(database_url, emails(10))
+    assert setup.campaign_id is not None
+    await _start_and_build(database_url)
+    async with await connect(database_url) as conn:
+        assert (await campaigns.transition(conn, setup.account_id, setup.campaign_id, "pause")).won
+    assert await _claim_all(database_url) == []
+    async with await connect(database_url) as conn:
+        assert (await campaigns.transition(conn, setup.account_id, setup.campaign_id, "resume")).won
+    assert len(await _claim_all(database_url)) == 10
+
+
+# -- leases and fencing ----------------------------------------------------------------------------
+
+
+async def _expire_leases(url: str) -> None:
+    async with await connect(url) as conn:
+        await conn.execute(
+            "UPDATE sendonce.deliveries SET lease_expires_at = now() - interval '1 second' WHERE status = 'sending'"
+        )
+
+
+async def test_a_zombie_cannot_complete_a_row_that_was_reclaimed(database_url: str) -> None:
+    """Without ``AND attempt = <token>`` in record_sent, the zombie's write would land."""
+    await campaign_setup(database_url, emails(1))
+    await _start_and_build(database_url)
+    (first,) = await _claim_all(database_url, worker="zombie")
+    await _expire_leases(database_url)
+    async with await connect(database_url) as conn:
+        assert len(await outbox.requeue_expired(conn)) == 1
+    (second,) = await _claim_all(database_url, worker="successor")
+    assert second.attempt == first.attempt + 1
+    now = datetime.now(UTC)
+    async with await connect(database_url) as conn:
+        refused = await outbox.record_sent(
+            conn, [SentRecord(first.account_id, first.delivery_id, first.attempt, "zombie", now)]
+        )
+        assert refused == set()
+        accepted = await outbox.record_sent(
+            conn, [SentRecord(second.account_id, second.delivery_id, second.attempt, "ok", now)]
+        )
+        assert accepted == {second.key}
+        row = await (await conn.execute("SELECT status, transport_message_id FROM sendonce.deliveries")).fetchone()
+    assert row == {"status": "sent", "transport_message_id": "ok"}
+
+
+async def test_a_late_outcome_is_kept_when_nobody_reclaimed_the_row(database_url: str) -> None:
+    """The lease ran out, the row went back to the queue, but the old worker did send it: record it,
+    rather than send a second copy."""
+    await campaign_setup(database_url, emails(1))
+    await _start_and_build(database_url)
+    (first,) = await _claim_all(database_url)
+    await _expire_leases(database_url)
+    async with await connect(database_url) as conn:
+        await outbox.requeue_expired(conn)
+        recorded = await outbox.record_sent(
+            conn, [SentRecord(first.account_id, first.delivery_id, first.attempt, "late", datetime.now(UTC))]
+        )
+    assert recorded == {first.key}
+    assert await _claim_all(database_url) == []
+
+
+async def test_renewal_only_extends_leases_still_owned(database_url: str) -> None:
+    await campaign_setup(database_url, emails(2))
+    await _start_and_build(database_url)
+    a, b = await _claim_all(database_url)
+    async with await connect(database_url) as conn:
+        await conn.execute(
+            "UPDATE sendonce.deliveries SET attempt = attempt + 1 WHERE delivery_id = %s", (b.delivery_id,)
+        )  # b was re-claimed by someone else
+        owned = await outbox.renew_leases(
+            conn, [outbox.Fenced(d.account_id, d.delivery_id, d.attempt) for d in (a, b)], 60
+        )
+    assert owned == {a.key: True}
+
+
+async def test_reclaiming_an_uncertain_row_writes_the_ledger_for_smtp_only(database_url: str) -> None:
+    setup = await campaign_setup(database_url, emails(2))
+    await _start_and_build(database_url)
+    await _claim_all(database_url)
+    await _expire_leases(database_url)
+    async with await connect(database_url) as conn:
+        await outbox.requeue_expired(conn)
+    async with await connect(database_url) as conn:
+        smtp = await outbox.claim_batch(conn, limit=1, lease_seconds=LEASE, worker="smtp", transport_idempotent=False)
+        resend = await outbox.claim_batch(conn, limit=1, lease_seconds=LEASE, worker="http", transport_idempotent=True)
+        ledger = await campaigns.list_possible_duplicates(conn, setup.account_id, setup.campaign_id)
+        assert setup.campaign_id is not None
+        counts = await campaigns.campaign_counts(conn, setup.account_id, setup.campaign_id)
+    assert len(smtp) == len(resend) == 1
+    assert [row["job_id"] for row in ledger] == [smtp[0].job_id]
+    assert counts.possible_duplicate == 1
+
+
+async def test_campaign_finishes_only_when_nothing_is_open(database_url: str) -> None:
+    setup = await campaign_setup(database_url, emails(3))
+    await _start_and_build(database_url)
+    claimed = await _claim_all(database_url)
+    now = datetime.now(UTC)
+    async with await connect(database_url) as conn:
+        await outbox.record_sent(
+            conn, [SentRecord(d.account_id, d.delivery_id, d.attempt, None, now) for d in claimed[:2]]
+        )
+        assert await outbox.finish_campaigns(conn) == []  # one still 'sending'
+        await outbox.record_sent(
+            conn, [SentRecord(d.account_id, d.delivery_id, d.attempt, None, now) for d in claimed[2:]]
+        )
+        assert await outbox.finish_campaigns(conn) == [(setup.account_id, setup.campaign_id)]
+        assert await outbox.finish_campaigns(conn) == []  # CAS: only once

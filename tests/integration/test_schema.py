@@ -1,0 +1,143 @@
+"""Migrations: from scratch to the expected schema, idempotent, safe when run concurrently."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from sendonce.domain.states import CampaignStatus, DeliveryStatus, SubscriberStatus, SuppressionReason
+from sendonce.errors import MigrationError
+from sendonce.store.migrations import available_migrations, upgrade
+
+EXPECTED = Path(__file__).with_name("expected_schema.txt")
+
+
+def describe_schema(url: str) -> str:
+    """A stable text description of the sendonce schema: tables, columns, constraints, indexes, types."""
+    lines: list[str] = []
+    with psycopg.connect(url) as conn:
+        for table, column, data_type, nullable, default in conn.execute(
+            """SELECT table_name, column_name, data_type || coalesce('(' || udt_name || ')', ''), is_nullable,
+                      coalesce(column_default, '')
+                 FROM information_schema.columns WHERE table_schema = 'sendonce'
+                ORDER BY table_name, ordinal_position"""
+        ):
+            lines.append(f"column {table}.{column} {data_type} null={nullable} default={default}")
+        for table, name, definition in conn.execute(
+            """SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid)
+                 FROM pg_constraint WHERE connamespace = 'sendonce'::regnamespace AND contype <> 'n' ORDER BY 1, 2"""
+        ):
+            lines.append(f"constraint {table} {name}: {definition}")
+        for name, definition in conn.execute(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'sendonce' ORDER BY 1"
+        ):
+            lines.append(f"index {name}: {definition}")
+        for name, labels in conn.execute(
+            """SELECT t.typname, string_agg(e.enumlabel, ',' ORDER BY e.enumsortorder)
+                 FROM pg_type t JOIN pg_enum e ON e.enumtypid = t.oid
+                WHERE t.typnamespace = 'sendonce'::regnamespace GROUP BY 1 ORDER BY 1"""
+        ):
+            lines.append(f"enum {name}: {labels}")
+        for name, table in conn.execute(
+            """SELECT tgname, tgrelid::regclass::text FROM pg_trigger
+                WHERE NOT tgisinternal AND tgrelid::regclass::text LIKE 'sendonce.%' ORDER BY 1"""
+        ):
+            lines.append(f"trigger {name} on {table}")
+    return "\n".join(lines) + "\n"
+
+
+def test_migrations_from_scratch_give_the_expected_schema(empty_database_url: str) -> None:
+    applied = upgrade(empty_database_url)
+    assert [m.version for m in applied] == [m.version for m in available_migrations()]
+    actual = describe_schema(empty_database_url)
+    if os.environ.get("SENDONCE_UPDATE_SCHEMA_SNAPSHOT"):
+        EXPECTED.write_text(actual)
+    assert actual == EXPECTED.read_text(), "schema differs from tests/integration/expected_schema.txt"
+
+
+def test_upgrading_twice_changes_nothing(empty_database_url: str) -> None:
+    upgrade(empty_database_url)
+    before = describe_schema(empty_database_url)
+    assert upgrade(empty_database_url) == []
+    assert describe_schema(empty_database_url) == before
+
+
+def test_two_upgrades_at_once_apply_each_migration_once(empty_database_url: str) -> None:
+    env = {**os.environ, "SENDONCE_DATABASE_URL": empty_database_url}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "sendonce.cli", "db", "upgrade"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    messages = [err.decode() for _, err in outputs]
+    assert sum("applied: 0001_initial" in m for m in messages) == 1
+    assert sum("the schema is current" in m for m in messages) == 2
+    with psycopg.connect(empty_database_url) as conn:
+        rows = conn.execute("SELECT version FROM sendonce_meta.schema_migrations ORDER BY version").fetchall()
+    assert [r[0] for r in rows] == [m.version for m in available_migrations()]
+
+
+def test_an_edited_migration_is_refused(empty_database_url: str) -> None:
+    upgrade(empty_database_url)
+    with psycopg.connect(empty_database_url) as conn:
+        conn.execute("UPDATE sendonce_meta.schema_migrations SET checksum = 'tampered' WHERE version = 1")
+    with pytest.raises(MigrationError, match="changed after it was applied"):
+        upgrade(empty_database_url)
+
+
+def test_every_table_is_tenant_first(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        tables = [
+            r[0]
+            for r in conn.execute(
+                "SELECT table_name FROM information_schema.tables "
+                "WHERE table_schema = 'sendonce' AND table_type = 'BASE TABLE'"
+            )
+        ]
+        assert tables
+        for table in tables:
+            columns = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT column_name FROM information_schema.columns "
+                    "WHERE table_schema = 'sendonce' AND table_name = %s",
+                    (table,),
+                )
+            ]
+            assert "account_id" in columns, table
+        # every primary key and unique index (constraint or not) starts with account_id
+        rows = conn.execute(
+            """SELECT i.indexrelid::regclass::text, a.attname
+                 FROM pg_index i
+                 JOIN pg_class c ON c.oid = i.indrelid
+                 JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+                WHERE c.relnamespace = 'sendonce'::regnamespace AND (i.indisunique OR i.indisprimary)"""
+        ).fetchall()
+        assert rows
+        for index, first_column in rows:
+            assert first_column == "account_id", index
+
+
+def test_database_enums_equal_python_enums(database_url: str) -> None:
+    expected = {
+        "campaign_status": [s.value for s in CampaignStatus],
+        "delivery_status": [s.value for s in DeliveryStatus],
+        "subscriber_status": [s.value for s in SubscriberStatus],
+        "suppression_reason": [s.value for s in SuppressionReason],
+    }
+    with psycopg.connect(database_url) as conn:
+        for name, values in expected.items():
+            row = conn.execute("SELECT enum_range(NULL::sendonce." + name + ")::text[]").fetchone()
+            assert row is not None
+            assert list(row[0]) == values, name

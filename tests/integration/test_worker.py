@@ -1,0 +1,243 @@
+"""The worker against a real SMTP inbox and a real Resend-compatible server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+
+from sendonce.delivery.worker import Worker, WorkerConfig
+from sendonce.store import campaigns, outbox
+from sendonce.store.database import connect
+from sendonce.testing.inbox import Inbox, InboxFaults
+from sendonce.testing.resend_server import ResendFaults, ResendServer
+from sendonce.testing.tcp_proxy import TcpProxy
+from sendonce.transports.registry import transport_from_url
+from tests.helpers import campaign_setup, campaign_status, emails, proxy_target, run_to_drain, through_proxy
+
+FAST = {"tick": 0.2, "lease": 5.0, "backoff_base": 0.05, "backoff_cap": 0.2}
+
+
+async def _wait_status(url: str, account_id: int, campaign_id: int, status: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        current, _ = await campaign_status(url, account_id, campaign_id)
+        if current == status:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"campaign did not reach {status!r} (is {current!r})")
+
+
+async def _prebuild(url: str) -> None:
+    async with await connect(url) as conn:
+        await outbox.start_due_campaigns(conn)
+        while await outbox.build_next_chunk(conn, 5000):
+            pass
+
+
+async def test_two_workers_share_a_campaign_and_every_address_gets_it_once(database_url: str, inbox: Inbox) -> None:
+    addresses = emails(400)
+    setup = await campaign_setup(database_url, addresses, html="<p>Hi {{ email }}</p>")
+    config = WorkerConfig(concurrency=4, batch_size=10, drain=True, **FAST)
+    stats = await asyncio.gather(
+        run_to_drain(database_url, transport_from_url(inbox.url), config),
+        run_to_drain(database_url, transport_from_url(inbox.url), config),
+    )
+    assert inbox.by_recipient() == dict.fromkeys(addresses, 1)
+    assert sum(s.sent for s in stats) == 400
+    assert all(s.sent > 0 for s in stats)
+    status, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)
+    assert status == "sent"
+    assert (counts.total, counts.sent, counts.possible_duplicate) == (400, 400, 0)
+    message = inbox.messages[0].parsed()
+    assert message["Sendonce-Job-Id"].startswith(f"campaign:{setup.campaign_id}:")
+    assert message["Message-ID"] == f"<{message['Sendonce-Job-Id'].replace(':', '.')}@sender.test>"
+    assert message["From"] == "Acme News <news@sender.test>"
+    assert message.get_body(("html",)) is not None
+
+
+async def test_transient_failures_are_retried_and_permanent_ones_bounce(database_url: str) -> None:
+    attempts: Counter[str] = Counter()
+
+    def reject(address: str) -> str | None:
+        attempts[address] += 1
+        if address == "user000001@example.test" and attempts[address] <= 2:
+            return "451 4.7.1 greylisted, try again"
+        if address == "user000002@example.test":
+            return "550 5.1.1 no such user"
+        if address == "user000003@example.test":
+            return "452 4.2.2 mailbox full"
+        return None
+
+    setup = await campaign_setup(database_url, emails(5))
+    with Inbox(faults=InboxFaults(reject=reject)) as inbox:
+        config = WorkerConfig(concurrency=2, drain=True, max_failures=3, **FAST)
+        await run_to_drain(database_url, transport_from_url(inbox.url), config)
+        received = inbox.by_recipient()
+    assert received == {
+        "user000000@example.test": 1,
+        "user000001@example.test": 1,
+        "user000004@example.test": 1,
+    }
+    assert attempts["user000001@example.test"] == 3
+    status, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)
+    assert status == "sent"
+    assert (counts.sent, counts.failed, counts.total) == (3, 2, 5)
+    async with await connect(database_url) as conn:
+        rows = await (
+            await conn.execute("SELECT email, status, failures, last_error FROM sendonce.deliveries ORDER BY email")
+        ).fetchall()
+        by_email = {r["email"]: r for r in rows}
+        assert "550" in by_email["user000002@example.test"]["last_error"]
+        assert "gave up after 3 failures" in by_email["user000003@example.test"]["last_error"]
+        suppressed = await (await conn.execute("SELECT email_key, reason FROM sendonce.suppressions")).fetchall()
+        bounced = await (
+            await conn.execute("SELECT email FROM sendonce.subscribers WHERE status = 'bounced'")
+        ).fetchall()
+    # the hard bounce suppresses the address; the soft one (452) does not
+    assert suppressed == [{"email_key": "user000002@example.test", "reason": "bounce"}]
+    assert bounced == [{"email": "user000002@example.test"}]
+
+
+async def test_pause_stops_sending_and_resume_finishes_exactly_once(database_url: str) -> None:
+    addresses = emails(120)
+    setup = await campaign_setup(database_url, addresses)
+    assert setup.campaign_id is not None
+    with Inbox(faults=InboxFaults(slow=1.0, slow_seconds=0.02)) as inbox:
+        worker = Worker(database_url, transport_from_url(inbox.url), WorkerConfig(concurrency=2, batch_size=5, **FAST))
+        task = asyncio.create_task(worker.run())
+        assert await asyncio.to_thread(inbox.wait_for, 20, 30)
+        async with await connect(database_url) as conn:
+            assert (await campaigns.transition(conn, setup.account_id, setup.campaign_id, "pause")).won
+        await asyncio.sleep(FAST["lease"] / 3 + 1.0)  # at most until the next renewal
+        paused_at = len(inbox.messages)
+        await asyncio.sleep(1.0)
+        assert len(inbox.messages) == paused_at
+        assert paused_at < 120
+        async with await connect(database_url) as conn:
+            assert (await campaigns.transition(conn, setup.account_id, setup.campaign_id, "resume")).won
+        await _wait_status(database_url, setup.account_id, setup.campaign_id, "sent")
+        worker.stop()
+        await task
+        assert inbox.by_recipient() == dict.fromkeys(addresses, 1)
+    _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)
+    assert (counts.sent, counts.total, counts.queued, counts.sending) == (120, 120, 0, 0)
+
+
+async def test_graceful_stop_gives_back_what_was_not_started(database_url: str) -> None:
+    addresses = emails(60)
+    setup = await campaign_setup(database_url, addresses)
+    with Inbox(faults=InboxFaults(slow=1.0, slow_seconds=0.05)) as inbox:
+        worker = Worker(database_url, transport_from_url(inbox.url), WorkerConfig(concurrency=2, batch_size=20, **FAST))
+        task = asyncio.create_task(worker.run())
+        assert await asyncio.to_thread(inbox.wait_for, 3, 30)
+        worker.stop()
+        stats = await asyncio.wait_for(task, 30)
+        assert stats.released > 0
+        async with await connect(database_url) as conn:
+            open_rows = await (
+                await conn.execute("SELECT count(*) AS n FROM sendonce.deliveries WHERE status = 'sending'")
+            ).fetchone()
+            ledger = await campaigns.list_possible_duplicates(conn, setup.account_id)
+        assert open_rows == {"n": 0}
+        assert ledger == []  # released rows were never started: re-sending them is not a duplicate
+        await run_to_drain(database_url, transport_from_url(inbox.url), WorkerConfig(drain=True, **FAST))
+        assert inbox.by_recipient() == dict.fromkeys(addresses, 1)
+
+
+async def test_a_worker_cut_off_from_the_database_stops_sending_before_its_lease_ends(
+    database_url: str,
+) -> None:
+    """Without the deadline check the worker would go on sending its whole claim (30 messages)."""
+    setup = await campaign_setup(database_url, emails(30))
+    await _prebuild(database_url)
+    config = WorkerConfig(concurrency=1, batch_size=30, lease=2.0, tick=0.2)
+    with (
+        TcpProxy(**proxy_target(database_url)) as proxy,
+        ResendServer(faults=ResendFaults(delay_seconds=0.2)) as server,
+    ):  # type: ignore[arg-type]
+        worker = Worker(through_proxy(database_url, proxy.port), transport_from_url(server.url), config)
+        task = asyncio.create_task(worker.run())
+        while not server.request_log:
+            await asyncio.sleep(0.005)
+        proxy.pause()  # before the first renewal: the lease can no longer be extended
+        first = server.request_log[0][0]
+        await asyncio.sleep(config.lease * 2)
+        during = [t for t, _ in server.request_log]
+        assert max(during) <= first + config.lease - config.margin + 0.1
+        assert len(during) < 30
+        proxy.heal()
+        await _wait_status(database_url, setup.account_id, setup.campaign_id, "sent", timeout=60)
+        worker.stop()
+        await task
+        assert server.by_job() == Counter(dict.fromkeys(server.by_job(), 1))
+        assert len(server.accepted) == 30
+
+
+@pytest.mark.parametrize("transport", ["resend", "smtp"])
+async def test_a_zombie_worker_cannot_complete_rows_taken_over_by_another(database_url: str, transport: str) -> None:
+    """The isolated worker's late outcomes are refused (fencing); the successor finishes the campaign."""
+    addresses = emails(20)
+    setup = await campaign_setup(database_url, addresses)
+    await _prebuild(database_url)
+    config = WorkerConfig(concurrency=2, batch_size=20, lease=2.0, tick=0.2)
+    resend = ResendServer(faults=ResendFaults(delay_seconds=0.1)).start()
+    inbox = Inbox(faults=InboxFaults(slow=1.0, slow_seconds=0.1)).start()
+    url = resend.url if transport == "resend" else inbox.url
+    try:
+        with TcpProxy(**proxy_target(database_url)) as proxy:  # type: ignore[arg-type]
+            zombie = Worker(through_proxy(database_url, proxy.port), transport_from_url(url), config)
+            zombie_task = asyncio.create_task(zombie.run())
+            while not (resend.request_log or inbox.messages):
+                await asyncio.sleep(0.005)
+            proxy.pause()
+            await asyncio.sleep(config.lease + 0.5)
+            successor = Worker(database_url, transport_from_url(url), WorkerConfig(concurrency=2, lease=2.0, tick=0.2))
+            successor_task = asyncio.create_task(successor.run())
+            await _wait_status(database_url, setup.account_id, setup.campaign_id, "sent", timeout=60)
+            proxy.heal()
+            await asyncio.sleep(1.0)  # the zombie's pending outcomes reach the database now
+            zombie.stop()
+            successor.stop()
+            zombie_stats, _ = await asyncio.gather(zombie_task, successor_task)
+        assert zombie_stats.fenced_out >= 1
+        status, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)
+        assert status == "sent" and counts.sent == 20
+        if transport == "resend":
+            assert sorted(t for e in resend.accepted for t in e.to) == sorted(addresses)
+            assert counts.possible_duplicate == 0
+        else:
+            received = inbox.by_recipient()
+            assert set(received) == set(addresses)
+            duplicated = {job for job, n in inbox.by_job().items() if n > 1}
+            async with await connect(database_url) as conn:
+                ledger = {r["job_id"] for r in await campaigns.list_possible_duplicates(conn, setup.account_id)}
+            assert duplicated <= ledger
+            # at most the message in flight on each of the zombie's connections
+            assert sum(n - 1 for n in received.values()) <= config.concurrency
+    finally:
+        resend.stop()
+        inbox.stop()
+
+
+async def test_internationalized_addresses(database_url: str) -> None:
+    addresses = ["josé@example.test", "ann@bücher.test"]
+    await campaign_setup(database_url, addresses)
+    with Inbox() as inbox:
+        await run_to_drain(database_url, transport_from_url(inbox.url), WorkerConfig(drain=True, **FAST))
+        assert inbox.by_recipient() == {"josé@example.test": 1, "ann@xn--bcher-kva.test": 1}
+
+
+async def test_a_non_ascii_mailbox_fails_clearly_without_smtputf8(database_url: str) -> None:
+    setup = await campaign_setup(database_url, ["josé@example.test", "ann@example.test"])
+    with Inbox(smtputf8=False) as inbox:
+        await run_to_drain(database_url, transport_from_url(inbox.url), WorkerConfig(drain=True, **FAST))
+        assert inbox.by_recipient() == {"ann@example.test": 1}
+    async with await connect(database_url) as conn:
+        row = await (
+            await conn.execute("SELECT status, last_error FROM sendonce.deliveries WHERE email = 'josé@example.test'")
+        ).fetchone()
+    assert row is not None and row["status"] == "failed" and "SMTPUTF8" in row["last_error"]
+    del setup

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import pytest
+
+from sendonce.delivery.compose import CAMPAIGN_VARIABLES, compile_campaign
+from sendonce.delivery.render import TemplateError, compile_template
+from sendonce.faults import Faults
+
+
+def test_faults_are_inert_unless_configured() -> None:
+    faults = Faults(None)
+    assert not faults.active
+    for point in ("after_claim", "before_send", "after_accept", "after_record", "mid_build"):
+        faults.hit(point)  # would kill this process if it were not inert
+
+
+def test_fault_spec_is_validated() -> None:
+    assert Faults("after_accept=0.5, after_claim").probabilities == {"after_accept": 0.5, "after_claim": 1.0}
+    with pytest.raises(ValueError, match="unknown fault point"):
+        Faults("before_lunch=0.1")
+    with pytest.raises(ValueError, match="probability"):
+        Faults("after_accept=2")
+
+
+def test_templates_render_per_recipient_and_static_ones_once() -> None:
+    static = compile_template("Hello all")
+    assert static.render({}) == "Hello all"
+    dynamic = compile_template("Hello {{ name }}")
+    assert dynamic.render({"name": "Ann"}) == "Hello Ann"
+    html = compile_template("<p>{{ name }}</p>", html=True)
+    assert html.render({"name": "<script>"}) == "<p>&lt;script&gt;</p>"
+
+
+def test_missing_variables_are_errors_not_blanks() -> None:
+    template = compile_template("Hi {{ attributes.city }}")
+    with pytest.raises(TemplateError, match="missing"):
+        template.render({"attributes": {}})
+    with pytest.raises(TemplateError, match="unknown template variable"):
+        compile_campaign(subject="{{ nope }}", text="x", html=None)
+    assert "email" in CAMPAIGN_VARIABLES
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ name.__class__.__init__.__globals__ }}",
+        "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+        "{% for c in [].__class__.__base__.__subclasses__() %}{{ c }}{% endfor %}",
+        "{{ self._TemplateReference__context }}",
+    ],
+)
+def test_sandbox_refuses_escapes(attack: str) -> None:
+    # Refused when the template is compiled (campaign creation) or at the latest when rendered.
+    with pytest.raises(TemplateError):
+        compile_template(attack).render({"name": "x", "cycler": None})
+
+
+def test_templates_cannot_include_files() -> None:
+    with pytest.raises(TemplateError):
+        compile_template("{% include '/etc/passwd' %}").render({})
+
+
+def test_syntax_errors_name_the_field() -> None:
+    with pytest.raises(TemplateError, match=r"subject: template syntax error"):
+        compile_campaign(subject="{{ oops", text="x", html=None)

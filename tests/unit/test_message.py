@@ -1,0 +1,83 @@
+"""The hand-written MIME writer, checked by parsing its output with the standard library."""
+
+from __future__ import annotations
+
+import email
+import email.policy
+from email.message import EmailMessage
+
+from sendonce.domain.message import OutgoingMessage, format_address
+
+
+def _message(**overrides: object) -> OutgoingMessage:
+    fields: dict[str, object] = {
+        "job_id": "campaign:1:2",
+        "envelope_from": "news@sender.test",
+        "recipient": "ann@example.test",
+        "smtputf8": False,
+        "from_header": format_address("Acme News", "news@sender.test"),
+        "to_header": format_address("Ann", "ann@example.test"),
+        "subject": "Hello",
+        "text": "Plain body\nsecond line",
+        "html": None,
+        "message_id": "<campaign.1.2@sender.test>",
+        "date": "Sun, 29 Nov 2026 12:00:00 GMT",
+        "headers": [("Sendonce-Job-Id", "campaign:1:2")],
+    }
+    fields.update(overrides)
+    return OutgoingMessage(**fields)  # type: ignore[arg-type]
+
+
+def _parse(data: bytes) -> EmailMessage:
+    parsed = email.message_from_bytes(data, policy=email.policy.default)
+    assert isinstance(parsed, EmailMessage)
+    return parsed
+
+
+def test_text_only_message_round_trips() -> None:
+    data = _message().as_bytes()
+    assert b"\r\n" in data and b"\n" not in data.replace(b"\r\n", b"")
+    parsed = _parse(data)
+    assert parsed["From"] == "Acme News <news@sender.test>"
+    assert parsed["To"] == "Ann <ann@example.test>"
+    assert parsed["Message-ID"] == "<campaign.1.2@sender.test>"
+    assert parsed["Sendonce-Job-Id"] == "campaign:1:2"
+    assert parsed["MIME-Version"] == "1.0"
+    assert parsed.get_content_type() == "text/plain"
+    assert parsed.get_content().replace("\r\n", "\n") == "Plain body\nsecond line"
+    assert not parsed.defects
+
+
+def test_multipart_with_unicode_subject_name_and_bodies() -> None:
+    data = _message(
+        subject="Café — ünïcödé news, a subject long enough to need folding across more than one line",
+        to_header=format_address("Zoë Ærøskøbing", "zoe@example.test"),
+        text="Grüße aus Köln " * 20,
+        html="<p>Grüße <b>aus</b> Köln</p>",
+    ).as_bytes()
+    assert data.isascii()  # 7-bit safe: encoded words and quoted-printable
+    parsed = _parse(data)
+    assert parsed["Subject"] == "Café — ünïcödé news, a subject long enough to need folding across more than one line"
+    assert parsed["To"].addresses[0].display_name == "Zoë Ærøskøbing"
+    assert parsed.get_content_type() == "multipart/alternative"
+    plain = parsed.get_body(("plain",))
+    html = parsed.get_body(("html",))
+    assert plain is not None and html is not None
+    assert plain.get_content().strip() == ("Grüße aus Köln " * 20).strip()
+    assert html.get_content().strip() == "<p>Grüße <b>aus</b> Köln</p>"
+    assert not parsed.defects
+
+
+def test_header_injection_through_a_name_or_subject_is_neutralized() -> None:
+    data = _message(
+        subject="Hi\r\nBcc: victim@example.test",
+        to_header=format_address("X\r\nBcc: v@x.test", "a@example.test"),
+    ).as_bytes()
+    parsed = _parse(data)
+    assert parsed["Bcc"] is None
+
+
+def test_lines_starting_with_a_dot_and_long_lines_survive() -> None:
+    text = ".leading dot\n" + "x" * 2000
+    parsed = _parse(_message(text=text).as_bytes())
+    assert parsed.get_content().replace("\r\n", "\n") == text

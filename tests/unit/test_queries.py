@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from sendonce.store.queries import QUERIES, parse_queries
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "sendonce"
+
+
+def test_parser_splits_named_blocks_and_drops_comments() -> None:
+    text = """
+-- first --
+-- what it does
+SELECT 1;
+
+-- second_one --
+-- a comment
+SELECT 2
+  FROM x; -- trailing comments stay, they are SQL
+"""
+    assert parse_queries(text) == {
+        "first": "SELECT 1",
+        "second_one": "SELECT 2\n  FROM x; -- trailing comments stay, they are SQL",
+    }
+
+
+def test_parser_refuses_duplicates_and_empty_blocks() -> None:
+    with pytest.raises(ValueError, match="twice"):
+        parse_queries("-- a --\nSELECT 1;\n-- a --\nSELECT 2;")
+    with pytest.raises(ValueError, match="no statement"):
+        parse_queries("-- a --\n-- only a comment\n")
+
+
+def test_every_query_used_by_the_code_exists_and_every_query_is_used() -> None:
+    used: set[str] = set()
+    for path in SRC.rglob("*.py"):
+        used |= set(re.findall(r'query\("([a-z_]+)"\)', path.read_text()))
+    used |= set(re.findall(r'"([a-z_]+_campaign)"', (SRC / "store" / "campaigns.py").read_text()))
+    assert used - set(QUERIES) == set()
+    assert set(QUERIES) - used == set()
+
+
+def test_queries_only_use_named_parameters() -> None:
+    for name, statement in QUERIES.items():
+        assert "%s" not in statement, name
+        assert "{" not in statement, f"{name}: looks like string formatting"

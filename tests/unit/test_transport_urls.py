@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import pytest
+
+from sendonce.errors import TransportConfigError
+from sendonce.transports.registry import transport_from_url
+from sendonce.transports.resend import ResendTransport
+from sendonce.transports.smtp import SmtpTransport
+
+
+def test_smtp_urls() -> None:
+    plain = transport_from_url("smtp://127.0.0.1:1025")
+    assert isinstance(plain, SmtpTransport)
+    assert (plain.settings.host, plain.settings.port, plain.settings.use_tls, plain.settings.start_tls) == (
+        "127.0.0.1",
+        1025,
+        False,
+        False,
+    )
+    starttls = transport_from_url("smtp+starttls://user%40x:p%3Ass@mail.example.test:587?timeout=5")
+    assert isinstance(starttls, SmtpTransport)
+    assert starttls.settings.start_tls is True
+    assert (starttls.settings.username, starttls.settings.password, starttls.settings.timeout) == (
+        "user@x",
+        "p:ss",
+        5.0,
+    )
+    tls = transport_from_url("smtps://mail.example.test")
+    assert isinstance(tls, SmtpTransport)
+    assert (tls.settings.port, tls.settings.use_tls) == (465, True)
+    assert not plain.capabilities.idempotent
+
+
+def test_resend_urls() -> None:
+    https = transport_from_url("resend://re_123@api.resend.com")
+    assert isinstance(https, ResendTransport)
+    assert https.settings.base_url == "https://api.resend.com"
+    assert https.settings.api_key == "re_123"
+    local = transport_from_url("resend+http://re_abc@127.0.0.1:8025")
+    assert isinstance(local, ResendTransport)
+    assert local.settings.base_url == "http://127.0.0.1:8025"
+    assert https.capabilities.idempotent
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("ftp://host", "unsupported transport"),
+        ("smtp://", "no host"),
+        ("resend://api.resend.com", "API key"),
+        ("smtp://host:notaport", "invalid transport URL"),
+        ("smtp://host?timeout=soon", "timeout"),
+    ],
+)
+def test_bad_urls_say_what_is_wrong(url: str, message: str) -> None:
+    with pytest.raises(TransportConfigError, match=message):
+        transport_from_url(url)
+
+
+def test_passwords_are_not_echoed_in_errors() -> None:
+    with pytest.raises(TransportConfigError) as excinfo:
+        transport_from_url("ftp://user:hunter2@host")
+    assert "hunter2" not in str(excinfo.value)
