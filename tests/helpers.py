@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from sendonce.delivery.transactional import default_composer
 from sendonce.delivery.worker import Worker, WorkerConfig, WorkerStats
 from sendonce.domain.addresses import parse_address
 from sendonce.domain.states import SubscriberStatus
@@ -78,6 +79,7 @@ async def running_worker(
     url: str, transport: Transport, config: WorkerConfig | None = None, **kwargs: object
 ) -> AsyncIterator[Worker]:
     """A worker running in this event loop; stopped (gracefully) on exit."""
+    kwargs.setdefault("composer", default_composer())
     worker = Worker(url, transport, config or WorkerConfig(tick=0.5, lease=5), **kwargs)  # type: ignore[arg-type]
     task = asyncio.create_task(worker.run())
     try:
@@ -91,6 +93,7 @@ async def run_to_drain(
     url: str, transport: Transport, config: WorkerConfig | None = None, timeout: float = 60, **kwargs: object
 ) -> WorkerStats:
     config = config or WorkerConfig(tick=0.5, lease=5, drain=True)
+    kwargs.setdefault("composer", default_composer())
     worker = Worker(url, transport, config, **kwargs)  # type: ignore[arg-type]
     return await asyncio.wait_for(worker.run(), timeout)
 

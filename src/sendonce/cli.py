@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -23,6 +24,8 @@ app = typer.Typer(
 )
 db_app = typer.Typer(help="Database schema and the embedded server.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+outbox_app = typer.Typer(help="The outbox: retention.", no_args_is_help=True)
+app.add_typer(outbox_app, name="outbox")
 
 console = Console(stderr=True)
 logger = logging.getLogger("sendonce")
@@ -193,6 +196,66 @@ def duplicates(
         table.add_row(*(str(row[c]) for c in ("recorded_at", "job_id", "email", "attempt", "reason", "status")))
     Console().print(table)
     Console().print(f"{len(rows)} entr{'y' if len(rows) == 1 else 'ies'}")
+
+
+@outbox_app.command("prune")
+def outbox_prune(
+    older_than: Annotated[str, typer.Option("--older-than", help="Age of the rows to remove, e.g. 90d.")],
+    archive: Annotated[
+        Path | None, typer.Option(help="Append the removed rows to this JSON Lines file before deleting them.")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Count what would go; change nothing.")] = False,
+) -> None:
+    """Remove finished outbox rows (sent, failed, suppressed) older than a given age.
+
+    Sending never deletes rows: they stay for audit until this command removes them. Rows of
+    campaigns still running, and open rows (queued, sending), are never touched.
+    """
+    import json
+
+    from sendonce.domain.durations import parse_duration
+    from sendonce.store import outbox
+    from sendonce.store.database import connect
+
+    try:
+        age = parse_duration(older_than)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] --older-than: {exc}")
+        raise typer.Exit(2) from None
+    url = _database_url(_settings())
+
+    async def run() -> tuple[int, int]:
+        removed = 0
+        async with await connect(url) as conn:
+            while True:
+                async with conn.transaction():
+                    rows = await outbox.prune(conn, age)
+                    if rows and archive is not None and not dry_run:
+                        with archive.open("a", encoding="utf-8") as handle:
+                            for row in rows:
+                                handle.write(json.dumps(row, default=str) + "\n")
+                            handle.flush()
+                    if dry_run:  # leaving the transaction by an exception rolls the deletion back
+                        raise _DryRun(len(rows))
+                removed += len(rows)
+                if not rows:
+                    break
+            keys = 0 if dry_run else await outbox.prune_idempotency_keys(conn)
+        return removed, keys
+
+    try:
+        removed, keys = asyncio.run(run())
+    except _DryRun as stop:
+        console.print(f"would remove at least {stop.count:,} rows (first batch); nothing changed")
+        return
+    console.print(f"removed {removed:,} outbox rows" + (f" (archived to {archive})" if archive else ""))
+    console.print(f"removed {keys:,} expired idempotency keys")
+
+
+class _DryRun(Exception):
+    def __init__(self, count: int) -> None:
+        super().__init__(count)
+        self.count = count
 
 
 @app.command()

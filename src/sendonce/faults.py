@@ -6,7 +6,8 @@ place in the pipeline, such as between "the transport accepted" and "recorded".
 
 Points: ``after_claim`` (rows claimed, nothing sent), ``before_send``, ``after_accept`` (the
 transport accepted a message that is not recorded yet), ``after_record``, ``mid_build`` (between
-two chunks of a recipient-list build).
+two chunks of a recipient-list build), and in the API ``api_after_commit`` (a request's transaction
+committed, its answer not sent yet).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import random
 import signal
 
-POINTS = frozenset({"after_claim", "before_send", "after_accept", "after_record", "mid_build"})
+POINTS = frozenset({"after_claim", "before_send", "after_accept", "after_record", "mid_build", "api_after_commit"})
 
 
 class Faults:

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import secrets
+
 from sendonce.delivery.compose import Composer
+from sendonce.delivery.transactional import default_composer
 from sendonce.delivery.worker import Worker, WorkerConfig
+from sendonce.domain.keys import KeyRing
 from sendonce.errors import ConfigurationError
 from sendonce.faults import Faults
 from sendonce.settings import Settings
 from sendonce.store.database import resolve_database_url
 from sendonce.transports.base import Transport
 from sendonce.transports.registry import transport_from_url
+
+logger = logging.getLogger(__name__)
 
 
 def database_url(settings: Settings) -> str:
@@ -26,7 +34,7 @@ def build_transport(settings: Settings, *, concurrency: int = 10) -> Transport:
 
 
 def build_composer(settings: Settings) -> Composer:
-    return Composer()
+    return default_composer()
 
 
 def build_worker(
@@ -40,3 +48,27 @@ def build_worker(
         composer=build_composer(settings),
         faults=faults if faults is not None else Faults.from_env(),
     )
+
+
+def keyring(settings: Settings) -> KeyRing:
+    """The server secret, and the previous one during a rotation.
+
+    Without SENDONCE_SECRET, a random secret is created once in ``$SENDONCE_HOME/secret`` and reused:
+    enough for one host; set SENDONCE_SECRET (the same everywhere) when several hosts serve the API.
+    """
+    if settings.secret is not None and settings.secret.get_secret_value():
+        current = settings.secret.get_secret_value().encode()
+    else:
+        path = settings.home / "secret"
+        if not path.exists():
+            settings.home.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(secrets.token_urlsafe(48))
+            logger.warning("SENDONCE_SECRET is not set: created a random one in %s", path)
+        current = path.read_text().strip().encode()
+    previous = settings.secret_previous.get_secret_value().encode() if settings.secret_previous else None
+    try:
+        return KeyRing(current, previous or None)
+    except ValueError as exc:
+        raise ConfigurationError(f"SENDONCE_SECRET: {exc}") from None

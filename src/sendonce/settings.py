@@ -44,6 +44,22 @@ class Settings(BaseSettings):
     max_body_bytes: int = 1_048_576
     """Largest request body the API reads (CSV imports: ``max_import_bytes``)."""
     max_import_bytes: int = 50 * 1_048_576
+    verify_ttl: Duration = Field(default=timedelta(hours=48))
+    """How long a verification link stays valid."""
+    signup_rate_per_address: str = "5/h"
+    """New verification mails per address (all origins), as a rate: an inbox cannot be bombed."""
+    signup_rate_per_account: str = "200/s burst 2000"
+    """New verification mails per account."""
+    block_disposable: bool = False
+    """Refuse signups from disposable-address domains (422)."""
+    abuse_detector: bool = True
+    abuse_min_repeats: int = 20
+    """A replay burst is flagged only from this many repeats in one window, whatever the baseline."""
+    abuse_window: Duration = Field(default=timedelta(seconds=10))
+    abuse_sources: int = 5
+    """Distinct client addresses signing up one address within 10 minutes that raise an alert."""
+    trust_forwarded_for: bool = False
+    """Take the client address from X-Forwarded-For (only behind a proxy you control)."""
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -8,14 +8,23 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sendonce import __version__
 from sendonce.api import problems
+from sendonce.api.abuse import AbuseDetector
+from sendonce.api.metrics import ApiMetrics
 from sendonce.api.middleware import BodyLimitMiddleware
-from sendonce.api.routes import accounts, campaigns, lists, subscribers, suppressions
+from sendonce.api.routes import account, accounts, campaigns, lists, outbox, signups, subscribers, suppressions
+from sendonce.api.services import Services
+from sendonce.errors import ConfigurationError
+from sendonce.faults import Faults
+from sendonce.runtime import keyring
 from sendonce.settings import Settings, load_settings
 from sendonce.store.database import create_pool, resolve_database_url
+from sendonce.store.rate_limits import Rate
+from sendonce.store.signups import SignupLimits
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +51,39 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
         lifespan=lifespan,
     )
     app.state.settings = settings
+    try:
+        limits = SignupLimits(
+            Rate.parse(settings.signup_rate_per_address), Rate.parse(settings.signup_rate_per_account)
+        )
+    except ValueError as exc:
+        raise ConfigurationError(f"signup rate: {exc}") from None
+    metrics = ApiMetrics()
+    app.state.services = Services(
+        settings=settings,
+        keys=keyring(settings),
+        limits=limits,
+        metrics=metrics,
+        detector=AbuseDetector(
+            bucket_seconds=settings.abuse_window.total_seconds(),
+            min_count=settings.abuse_min_repeats,
+            sources_threshold=settings.abuse_sources,
+        )
+        if settings.abuse_detector
+        else None,
+        faults=Faults.from_env(),
+    )
     problems.install(app)
 
     def limit_for(path: str) -> int:
         return settings.max_import_bytes if path.endswith("/import") else settings.max_body_bytes
 
     app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
-    for module in (accounts, lists, subscribers, campaigns, suppressions):
+    for module in (accounts, account, lists, subscribers, campaigns, suppressions, signups, outbox):
         app.include_router(module.router)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health", tags=["health"])
     async def health(request: Request) -> Any:

@@ -18,6 +18,7 @@ from sendonce.delivery.render import CompiledTemplate, TemplateError, compile_te
 from sendonce.domain.addresses import parse_address
 from sendonce.domain.jobs import JOB_ID_HEADER, message_id
 from sendonce.domain.message import OutgoingMessage, format_address
+from sendonce.store import accounts as account_store
 from sendonce.store import campaigns as campaign_store
 from sendonce.store.database import Conn
 from sendonce.store.outbox import ClaimedDelivery
@@ -79,20 +80,52 @@ class _DateCache:
         return self._value
 
 
-TransactionalComposer = Callable[[ClaimedDelivery, str], OutgoingMessage]
-"""Builds a transactional message from its row and the current Date header value."""
+@dataclass(frozen=True, slots=True)
+class Sender:
+    """Who a transactional message is from: the account's address."""
+
+    account_id: int
+    from_header: str
+    envelope_from: str
+    domain: str
+
+
+TransactionalComposer = Callable[[ClaimedDelivery, Sender, str], OutgoingMessage]
+"""Builds a transactional message from its row, its sender and the current Date header value."""
+
+_ACCOUNT_TTL = 60.0
 
 
 class Composer:
     def __init__(self, transactional: dict[str, TransactionalComposer] | None = None) -> None:
         self._campaigns: dict[tuple[int, int], CampaignContent] = {}
+        self._senders: dict[int, tuple[float, Sender]] = {}
         self._transactional = dict(transactional or {})
         self._date = _DateCache()
 
+    async def _load_sender(self, conn: Conn, account_id: int) -> None:
+        cached = self._senders.get(account_id)
+        if cached is not None and time.monotonic() - cached[0] < _ACCOUNT_TTL:
+            return
+        account = await account_store.get_account(conn, account_id)
+        if account is None:
+            return
+        envelope_from, _ = wire_address(account.from_email)
+        sender = Sender(
+            account_id,
+            format_address(account.from_name, envelope_from),
+            envelope_from,
+            envelope_from.rpartition("@")[2],
+        )
+        self._senders[account_id] = (time.monotonic(), sender)
+
     async def prepare(self, conn: Conn, batch: Iterable[ClaimedDelivery]) -> None:
-        """Load what the batch needs that is not cached yet (one query per new campaign)."""
+        """Load what the batch needs that is not cached yet (one query per new campaign or account)."""
         for delivery in batch:
-            if delivery.campaign_id is None or delivery.blocked:
+            if delivery.blocked:
+                continue
+            if delivery.campaign_id is None:
+                await self._load_sender(conn, delivery.account_id)
                 continue
             key = (delivery.account_id, delivery.campaign_id)
             if key in self._campaigns:
@@ -129,7 +162,10 @@ class Composer:
             composer = self._transactional.get(delivery.kind)
             if composer is None:
                 raise ComposeError(f"no composer for mail of kind {delivery.kind!r}")
-            return composer(delivery, self._date.now())
+            cached = self._senders.get(delivery.account_id)
+            if cached is None:
+                raise ComposeError(f"account {delivery.account_id} could not be loaded")
+            return composer(delivery, cached[1], self._date.now())
         except ComposeError:
             raise
         except Exception as exc:

@@ -6,6 +6,8 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 from sendonce.store.database import Conn
 from sendonce.store.queries import query
@@ -19,6 +21,19 @@ class Account:
     name: str
     from_email: str
     from_name: str | None
+    signup_window: timedelta | None = None
+    signup_list_id: int | None = None
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Account:
+        return cls(
+            row["account_id"],
+            row["name"],
+            row["from_email"],
+            row["from_name"],
+            row.get("signup_window"),
+            row.get("signup_list_id"),
+        )
 
 
 def _hash(secret: str) -> bytes:
@@ -61,11 +76,35 @@ async def authenticate(conn: Conn, api_key: str) -> Account | None:
     row = await (await conn.execute(query("get_account"), {"account_id": account_id})).fetchone()
     if row is None or not hmac.compare_digest(bytes(row["api_key_hash"]), _hash(secret)):
         return None
-    return Account(row["account_id"], row["name"], row["from_email"], row["from_name"])
+    return Account.from_row(row)
 
 
 async def get_account(conn: Conn, account_id: int) -> Account | None:
     row = await (await conn.execute(query("get_account"), {"account_id": account_id})).fetchone()
     if row is None:
         return None
-    return Account(row["account_id"], row["name"], row["from_email"], row["from_name"])
+    return Account.from_row(row)
+
+
+async def update_settings(
+    conn: Conn,
+    account_id: int,
+    *,
+    signup_window: timedelta | None = None,
+    clear_window: bool = False,
+    signup_list_id: int | None = None,
+    from_name: str | None = None,
+) -> Account:
+    cursor = await conn.execute(
+        query("update_account_settings"),
+        {
+            "account_id": account_id,
+            "signup_window": signup_window,
+            "clear_window": clear_window,
+            "signup_list_id": signup_list_id,
+            "from_name": from_name,
+        },
+    )
+    row = await cursor.fetchone()
+    assert row is not None
+    return Account.from_row(row)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sendonce.store.database import Conn
@@ -231,3 +231,17 @@ async def next_wakeup(conn: Conn) -> float | None:
 async def open_work(conn: Conn) -> bool:
     row = await (await conn.execute(query("open_work"))).fetchone()
     return bool(row and row["open"])
+
+
+async def prune(conn: Conn, older_than: timedelta, *, limit: int = 5000) -> list[dict[str, Any]]:
+    """Delete one batch of finished rows older than ``older_than``; returns them (for an archive).
+
+    Run inside a transaction if the archive must be written before the rows are gone for good.
+    """
+    cursor = await conn.execute(query("prune_outbox"), {"older_than": older_than, "limit": limit})
+    return list(await cursor.fetchall())
+
+
+async def prune_idempotency_keys(conn: Conn) -> int:
+    cursor = await conn.execute(query("prune_idempotency_keys"))
+    return cursor.rowcount

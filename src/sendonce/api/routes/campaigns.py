@@ -6,14 +6,16 @@ import dataclasses
 from datetime import UTC
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Path, Query
+from fastapi import APIRouter, Body, Path, Query, Request
+from fastapi.responses import JSONResponse, Response
 
 from sendonce.api.deps import CurrentAccount, Db
+from sendonce.api.idempotency import idempotent
 from sendonce.api.models import BIGINT_MAX, ApproveIn, CampaignIn, CampaignOut, Counts
 from sendonce.api.problems import Problem
 from sendonce.delivery.compose import compile_campaign
 from sendonce.delivery.render import TemplateError
-from sendonce.domain.states import CAMPAIGN_TRANSITIONS
+from sendonce.domain.states import CAMPAIGN_TRANSITIONS, CampaignStatus
 from sendonce.store import campaigns as store
 from sendonce.store import lists as list_store
 
@@ -23,7 +25,7 @@ CampaignId = Annotated[int, Path(ge=1, le=BIGINT_MAX)]
 
 
 @router.post("/v1/campaigns", status_code=201, response_model=CampaignOut)
-async def create_campaign(body: CampaignIn, account: CurrentAccount, conn: Db) -> CampaignOut:
+async def create_campaign(body: CampaignIn, request: Request, account: CurrentAccount, conn: Db) -> Response:
     try:
         compile_campaign(subject=body.subject, text=body.text, html=body.html)
     except TemplateError as exc:
@@ -43,18 +45,23 @@ async def create_campaign(body: CampaignIn, account: CurrentAccount, conn: Db) -
             f"unknown list id(s): {unknown}",
             errors=[{"field": "lists", "message": f"unknown: {unknown}"}],
         )
-    campaign_id = await store.create_campaign(
-        conn,
-        account_id=account.account_id,
-        name=body.name,
-        subject=body.subject,
-        text_body=body.text,
-        html_body=body.html,
-        from_email=account.from_email,
-        from_name=account.from_name,
-        list_ids=body.lists,
-    )
-    return CampaignOut(id=campaign_id, name=body.name, status="draft", lists=sorted(set(body.lists)))  # type: ignore[arg-type]
+
+    async def run() -> Response:
+        campaign_id = await store.create_campaign(
+            conn,
+            account_id=account.account_id,
+            name=body.name,
+            subject=body.subject,
+            text_body=body.text,
+            html_body=body.html,
+            from_email=account.from_email,
+            from_name=account.from_name,
+            list_ids=body.lists,
+        )
+        out = CampaignOut(id=campaign_id, name=body.name, status=CampaignStatus.DRAFT, lists=sorted(set(body.lists)))
+        return JSONResponse(out.model_dump(mode="json"), status_code=201)
+
+    return await idempotent(request, conn, account.account_id, run)
 
 
 @router.get("/v1/campaigns/{campaign_id}", response_model=CampaignOut)
@@ -74,8 +81,16 @@ async def get_campaign(campaign_id: CampaignId, account: CurrentAccount, conn: D
 
 
 async def _transition(
-    conn: Db, account_id: int, campaign_id: int, action: str, body: ApproveIn | None = None
-) -> CampaignOut:
+    request: Request, conn: Db, account_id: int, campaign_id: int, action: str, body: ApproveIn | None = None
+) -> Response:
+    async def run() -> Response:
+        out = await _cas(conn, account_id, campaign_id, action, body)
+        return JSONResponse(out.model_dump(mode="json"))
+
+    return await idempotent(request, conn, account_id, run)
+
+
+async def _cas(conn: Db, account_id: int, campaign_id: int, action: str, body: ApproveIn | None) -> CampaignOut:
     scheduled_for = None
     if body is not None and body.scheduled_for is not None:
         scheduled_for = body.scheduled_for
@@ -110,24 +125,29 @@ async def approve(
     campaign_id: CampaignId,
     account: CurrentAccount,
     conn: Db,
+    request: Request,
     body: Annotated[ApproveIn | None, Body()] = None,
-) -> CampaignOut:
-    return await _transition(conn, account.account_id, campaign_id, "approve", body)
+) -> Response:
+    """CAS draft -> approved, to start at ``scheduled_for`` (default: now). Twice: 409."""
+    return await _transition(request, conn, account.account_id, campaign_id, "approve", body)
 
 
 @router.post("/v1/campaigns/{campaign_id}/pause", response_model=CampaignOut)
-async def pause(campaign_id: CampaignId, account: CurrentAccount, conn: Db) -> CampaignOut:
-    return await _transition(conn, account.account_id, campaign_id, "pause")
+async def pause(campaign_id: CampaignId, request: Request, account: CurrentAccount, conn: Db) -> Response:
+    """CAS approved|sending -> paused: workers stop claiming its rows and give back what they hold."""
+    return await _transition(request, conn, account.account_id, campaign_id, "pause")
 
 
 @router.post("/v1/campaigns/{campaign_id}/resume", response_model=CampaignOut)
-async def resume(campaign_id: CampaignId, account: CurrentAccount, conn: Db) -> CampaignOut:
-    return await _transition(conn, account.account_id, campaign_id, "resume")
+async def resume(campaign_id: CampaignId, request: Request, account: CurrentAccount, conn: Db) -> Response:
+    """CAS paused -> sending (or -> approved if it had not started)."""
+    return await _transition(request, conn, account.account_id, campaign_id, "resume")
 
 
 @router.post("/v1/campaigns/{campaign_id}/cancel", response_model=CampaignOut)
-async def cancel(campaign_id: CampaignId, account: CurrentAccount, conn: Db) -> CampaignOut:
-    return await _transition(conn, account.account_id, campaign_id, "cancel")
+async def cancel(campaign_id: CampaignId, request: Request, account: CurrentAccount, conn: Db) -> Response:
+    """CAS -> cancelled: its queued rows are never sent."""
+    return await _transition(request, conn, account.account_id, campaign_id, "cancel")
 
 
 @router.get("/v1/campaigns/{campaign_id}/duplicates")

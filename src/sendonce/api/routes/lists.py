@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 
 from sendonce.api.deps import CurrentAccount, Db
+from sendonce.api.idempotency import idempotent
 from sendonce.api.models import ListIn, ListOut
 from sendonce.store import lists as store
 
@@ -12,6 +14,9 @@ router = APIRouter(tags=["lists"])
 
 
 @router.post("/v1/lists", status_code=201, response_model=ListOut)
-async def create_list(body: ListIn, account: CurrentAccount, conn: Db) -> ListOut:
-    list_id = await store.create_list(conn, account.account_id, body.name)
-    return ListOut(id=list_id, name=body.name)
+async def create_list(body: ListIn, request: Request, account: CurrentAccount, conn: Db) -> Response:
+    async def run() -> Response:
+        list_id = await store.create_list(conn, account.account_id, body.name)
+        return JSONResponse(ListOut(id=list_id, name=body.name).model_dump(), status_code=201)
+
+    return await idempotent(request, conn, account.account_id, run)

@@ -7,9 +7,10 @@ import io
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from sendonce.api.deps import CurrentAccount, Db
+from sendonce.api.idempotency import idempotent
 from sendonce.api.models import (
     BIGINT_MAX,
     SUBSCRIBER_STATUSES,
@@ -75,11 +76,15 @@ async def _apply(
 
 
 @router.post("/v1/subscribers", response_model=SubscribersOut)
-async def upsert(body: SubscribersIn, account: CurrentAccount, conn: Db) -> JSONResponse:
+async def upsert(body: SubscribersIn, request: Request, account: CurrentAccount, conn: Db) -> Response:
     """Upsert subscribers by address. Bad rows are reported, good rows kept.
 
     200 when at least one row was written (check ``errors``), 422 when every row was bad (nothing written).
     """
+    return await idempotent(request, conn, account.account_id, lambda: _upsert(body, account.account_id, conn))
+
+
+async def _upsert(body: SubscribersIn, account_id: int, conn: Conn) -> Response:
     results: list[SubscriberResult | None] = [None] * len(body.subscribers)
     parsed: list[tuple[int, SubscriberInput]] = []
     for index, row in enumerate(body.subscribers):
@@ -88,7 +93,7 @@ async def upsert(body: SubscribersIn, account: CurrentAccount, conn: Db) -> JSON
         except RowError as exc:
             email = row.email if isinstance(row.email, str) else None
             results[index] = SubscriberResult(index=index, email=email, result="error", error=str(exc))
-    known = await list_store.existing_lists(conn, account.account_id, [i for _, r in parsed for i in r.list_ids])
+    known = await list_store.existing_lists(conn, account_id, [i for _, r in parsed for i in r.list_ids])
     good: list[tuple[int, SubscriberInput]] = []
     for index, sub in parsed:
         unknown = sorted(set(sub.list_ids) - known)
@@ -98,7 +103,7 @@ async def upsert(body: SubscribersIn, account: CurrentAccount, conn: Db) -> JSON
             )
         else:
             good.append((index, sub))
-    for index, sub, subscriber_id, created in await _apply(conn, account.account_id, good) if good else []:
+    for index, sub, subscriber_id, created in await _apply(conn, account_id, good) if good else []:
         results[index] = SubscriberResult(
             index=index, email=sub.address.given, result="created" if created else "updated", id=subscriber_id
         )
@@ -124,12 +129,21 @@ async def import_csv(
     account: CurrentAccount,
     conn: Db,
     list_id: Annotated[int, Query(alias="list", ge=1, le=BIGINT_MAX)],
-) -> JSONResponse:
-    """Import a CSV with an ``email`` column (optional ``name`` and ``status``) into a list."""
+) -> Response:
+    """Import a CSV with an ``email`` column (optional ``name`` and ``status``) into a list.
+
+    Good rows are kept, bad rows reported by line; 422 (nothing written) when no row is good.
+    """
+    return await idempotent(
+        request, conn, account.account_id, lambda: _import(request, account.account_id, conn, list_id)
+    )
+
+
+async def _import(request: Request, account_id: int, conn: Conn, list_id: int) -> Response:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in ("text/csv", "application/csv", "text/plain"):
         raise Problem(415, "send the file as text/csv")
-    if not await list_store.existing_lists(conn, account.account_id, [list_id]):
+    if not await list_store.existing_lists(conn, account_id, [list_id]):
         raise Problem(422, f"unknown list id: {list_id}")
     raw = await request.body()
     try:
@@ -169,7 +183,7 @@ async def import_csv(
     updated_ids: set[int] = set()
     for start in range(0, len(pending), IMPORT_CHUNK):
         chunk = pending[start : start + IMPORT_CHUNK]
-        for _, _, subscriber_id, was_created in await _apply(conn, account.account_id, chunk):
+        for _, _, subscriber_id, was_created in await _apply(conn, account_id, chunk):
             (created_ids if was_created else updated_ids).add(subscriber_id)
     created, updated = len(created_ids), len(updated_ids - created_ids)
     if not pending:

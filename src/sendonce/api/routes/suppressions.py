@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Response
+from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import JSONResponse
 
 from sendonce.api.deps import CurrentAccount, Db
+from sendonce.api.idempotency import idempotent
 from sendonce.api.models import SuppressionIn, SuppressionOut
 from sendonce.api.problems import Problem
 from sendonce.domain.addresses import InvalidAddress, parse_address
@@ -17,15 +18,19 @@ router = APIRouter(tags=["suppressions"])
 
 
 @router.post("/v1/suppressions", status_code=201, response_model=SuppressionOut)
-async def add(body: SuppressionIn, account: CurrentAccount, conn: Db) -> JSONResponse:
+async def add(body: SuppressionIn, request: Request, account: CurrentAccount, conn: Db) -> Response:
     """Suppress an address: 201 when new, 200 when it was suppressed already."""
     try:
         address = parse_address(body.email)
     except InvalidAddress as exc:
         raise Problem(422, str(exc)) from None
-    created = await store.add_suppression(conn, account.account_id, address, body.reason)
-    out = SuppressionOut(email=address.given, email_key=address.key, reason=body.reason, created=created)
-    return JSONResponse(out.model_dump(mode="json"), status_code=201 if created else 200)
+
+    async def run() -> Response:
+        created = await store.add_suppression(conn, account.account_id, address, body.reason)
+        out = SuppressionOut(email=address.given, email_key=address.key, reason=body.reason, created=created)
+        return JSONResponse(out.model_dump(mode="json"), status_code=201 if created else 200)
+
+    return await idempotent(request, conn, account.account_id, run)
 
 
 @router.delete("/v1/suppressions/{email}", status_code=204)

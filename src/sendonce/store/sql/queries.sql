@@ -10,9 +10,18 @@ RETURNING account_id;
 
 -- get_account --
 -- The account an API key names, with what authentication and mail composition need.
-SELECT account_id, name, api_key_hash, from_email, from_name
+SELECT account_id, name, api_key_hash, from_email, from_name, signup_window, signup_list_id
   FROM sendonce.accounts
  WHERE account_id = %(account_id)s;
+
+-- update_account_settings --
+-- Change an account's settings; a NULL keeps the current value.
+UPDATE sendonce.accounts
+   SET signup_window = CASE WHEN %(clear_window)s THEN NULL ELSE coalesce(%(signup_window)s, signup_window) END,
+       signup_list_id = coalesce(%(signup_list_id)s, signup_list_id),
+       from_name = coalesce(%(from_name)s, from_name)
+ WHERE account_id = %(account_id)s
+RETURNING account_id, name, from_email, from_name, signup_window, signup_list_id;
 
 -- create_list --
 -- A new list.
@@ -432,3 +441,201 @@ SELECT EXISTS (SELECT 1 FROM sendonce.deliveries
                 WHERE c.status = 'sending')
     OR EXISTS (SELECT 1 FROM sendonce.campaigns
                 WHERE status = 'approved' AND scheduled_for <= now()) AS open;
+
+-- upsert_signup --
+-- The pending user of a signup, one per address and origin; later requests refresh the optional
+-- fields. Locks the row: concurrent requests for one address and origin go one at a time from here.
+INSERT INTO sendonce.signups AS s (account_id, email, email_key, origin, name, locale, redirect_url)
+VALUES (%(account_id)s, %(email)s, %(email_key)s, %(origin)s, %(name)s, %(locale)s, %(redirect_url)s)
+ON CONFLICT (account_id, email_key, origin) DO UPDATE
+   SET name = coalesce(EXCLUDED.name, s.name),
+       locale = coalesce(EXCLUDED.locale, s.locale),
+       redirect_url = coalesce(EXCLUDED.redirect_url, s.redirect_url),
+       updated_at = now()
+RETURNING signup_id, status;
+
+-- lock_window --
+-- The window of an operation under a given key, locked; open is true while it has not run out.
+SELECT window_id, generation, answer, opened_at > now() - %(window)s::interval AS open
+  FROM sendonce.signup_windows
+ WHERE account_id = %(account_id)s AND operation_key = %(operation_key)s
+   FOR UPDATE;
+
+-- open_window --
+-- Open the operation's first window, or a new one if the last has run out (from its first request).
+-- A row back: this request opened a window (its generation numbers it). No row: a window is open,
+-- and this request is a repeat. Atomic under concurrency: the conflicting row is locked, and the
+-- condition is evaluated on its latest committed version.
+INSERT INTO sendonce.signup_windows AS w (account_id, operation_key, signup_id)
+VALUES (%(account_id)s, %(operation_key)s, %(signup_id)s)
+ON CONFLICT (account_id, operation_key) DO UPDATE
+   SET generation = w.generation + 1, opened_at = now(), answer = NULL, signup_id = EXCLUDED.signup_id
+ WHERE w.opened_at <= now() - %(window)s::interval
+RETURNING window_id, generation;
+
+-- set_window_answer --
+-- Remember the answer the window's first request got: every repeat gets the same body.
+UPDATE sendonce.signup_windows SET answer = %(answer)s
+ WHERE account_id = %(account_id)s AND operation_key = %(operation_key)s;
+
+-- insert_operation --
+-- The outbox event of a transactional operation, keyed by its operation key (and window). No id
+-- back: the event exists already, this request is a repeat, nothing more is queued.
+INSERT INTO sendonce.deliveries (account_id, job_id, kind, priority, email, email_key, payload, operation_key)
+VALUES (%(account_id)s, %(job_id)s, %(kind)s, 0, %(email)s, %(email_key)s, %(payload)s, %(operation_key)s)
+ON CONFLICT (account_id, operation_key) WHERE operation_key IS NOT NULL DO NOTHING
+RETURNING delivery_id;
+
+-- is_suppressed --
+-- Whether an address is suppressed for an account.
+SELECT EXISTS (SELECT 1 FROM sendonce.suppressions
+                WHERE account_id = %(account_id)s AND email_key = %(email_key)s) AS suppressed;
+
+-- verify_signup --
+-- CAS pending -> verified. No row back: already verified (or no such signup).
+UPDATE sendonce.signups
+   SET status = 'verified', verified_at = now(), updated_at = now()
+ WHERE account_id = %(account_id)s AND signup_id = %(signup_id)s AND status = 'pending'
+RETURNING signup_id, email, email_key, name, redirect_url, status;
+
+-- get_signup --
+-- One signup.
+SELECT signup_id, email, email_key, name, origin, redirect_url, status, verified_at
+  FROM sendonce.signups
+ WHERE account_id = %(account_id)s AND signup_id = %(signup_id)s;
+
+-- confirm_subscriber --
+-- A verified signup becomes a confirmed subscriber; an existing one who unsubscribed or bounced is
+-- left as they are (their choice, or their mailbox, wins).
+INSERT INTO sendonce.subscribers AS s (account_id, email, email_key, name, status)
+VALUES (%(account_id)s, %(email)s, %(email_key)s, %(name)s, 'confirmed')
+ON CONFLICT (account_id, email_key) DO UPDATE
+   SET status = CASE WHEN s.status = 'pending' THEN 'confirmed' ELSE s.status END,
+       name = coalesce(s.name, EXCLUDED.name),
+       updated_at = now()
+RETURNING subscriber_id;
+
+-- confirm_membership --
+-- A confirmed membership of the list; a pending one is confirmed, an unsubscribed one left alone.
+INSERT INTO sendonce.list_members AS m (account_id, list_id, subscriber_id, status)
+VALUES (%(account_id)s, %(list_id)s, %(subscriber_id)s, 'confirmed')
+ON CONFLICT (account_id, list_id, subscriber_id) DO UPDATE
+   SET status = CASE WHEN m.status = 'pending' THEN 'confirmed' ELSE m.status END,
+       updated_at = now();
+
+-- enqueue_message --
+-- A transactional message, in the caller's transaction. The job id is derived from the caller's
+-- key: enqueueing the same key twice queues one message.
+INSERT INTO sendonce.deliveries (account_id, job_id, kind, priority, email, email_key, payload, not_before)
+VALUES (%(account_id)s, %(job_id)s, 'message', %(priority)s, %(email)s, %(email_key)s, %(payload)s,
+        coalesce(%(not_before)s::timestamptz, now()))
+ON CONFLICT (account_id, job_id) DO NOTHING
+RETURNING delivery_id;
+
+-- take_tokens --
+-- Take tokens from a bucket that refills at rate per second up to capacity. A row back: taken. No
+-- row: not enough tokens, nothing taken. One statement, so it holds across processes and hosts.
+INSERT INTO sendonce.rate_buckets AS b (account_id, bucket, tokens, updated_at)
+VALUES (%(account_id)s, %(bucket)s, %(capacity)s - %(cost)s, clock_timestamp())
+ON CONFLICT (account_id, bucket) DO UPDATE
+   SET tokens = least(%(capacity)s::float8,
+                      b.tokens + extract(epoch FROM clock_timestamp() - b.updated_at) * %(rate)s) - %(cost)s,
+       updated_at = clock_timestamp()
+ WHERE least(%(capacity)s::float8, b.tokens + extract(epoch FROM clock_timestamp() - b.updated_at) * %(rate)s)
+       >= %(cost)s
+RETURNING tokens;
+
+-- bucket_wait --
+-- Seconds until a bucket holds enough tokens again.
+SELECT greatest(0, (%(cost)s - least(%(capacity)s::float8,
+                   tokens + extract(epoch FROM clock_timestamp() - updated_at) * %(rate)s)) / %(rate)s) AS wait
+  FROM sendonce.rate_buckets
+ WHERE account_id = %(account_id)s AND bucket = %(bucket)s;
+
+-- insert_idempotency_key --
+-- Reserve a client Idempotency-Key for this request, in the request's own transaction. While that
+-- transaction runs, a second request with the key waits on it (and is told 409 after lock_timeout).
+INSERT INTO sendonce.idempotency_keys
+       (account_id, idempotency_key, request_hash, method, path, response_status, response_body, expires_at)
+VALUES (%(account_id)s, %(key)s, %(request_hash)s, %(method)s, %(path)s, 0, '', now() + %(ttl)s::interval)
+ON CONFLICT (account_id, idempotency_key) DO NOTHING
+RETURNING idempotency_key;
+
+-- get_idempotency_key --
+-- The stored answer for a key, locked.
+SELECT request_hash, method, path, response_status, response_body, expires_at <= now() AS expired
+  FROM sendonce.idempotency_keys
+ WHERE account_id = %(account_id)s AND idempotency_key = %(key)s
+   FOR UPDATE;
+
+-- reuse_expired_idempotency_key --
+-- A key whose stored answer expired (24 h) starts over as a new request.
+UPDATE sendonce.idempotency_keys
+   SET request_hash = %(request_hash)s, method = %(method)s, path = %(path)s, response_status = 0,
+       response_body = '', created_at = now(), expires_at = now() + %(ttl)s::interval
+ WHERE account_id = %(account_id)s AND idempotency_key = %(key)s AND expires_at <= now();
+
+-- store_idempotent_response --
+-- The answer to replay for this key.
+UPDATE sendonce.idempotency_keys
+   SET response_status = %(status)s, response_body = %(body)s
+ WHERE account_id = %(account_id)s AND idempotency_key = %(key)s;
+
+-- prune_idempotency_keys --
+-- Forget stored answers past their expiry.
+DELETE FROM sendonce.idempotency_keys WHERE expires_at < now() - interval '1 hour';
+
+-- list_outbox --
+-- An account's outbox, newest first, optionally for one event kind and since a time; paged by id.
+SELECT delivery_id, job_id, kind, status, email, campaign_id, attempt, failures, created_at, sent_at,
+       transport_message_id, last_error
+  FROM sendonce.deliveries
+ WHERE account_id = %(account_id)s
+   AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
+   AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+   AND (%(before)s::bigint IS NULL OR delivery_id < %(before)s::bigint)
+ ORDER BY delivery_id DESC
+ LIMIT %(limit)s;
+
+-- prune_outbox --
+-- Delete (returning them, for the archive) finished rows older than the cutoff: transactional mail,
+-- and rows of campaigns that are over. Open rows and running campaigns are never touched.
+WITH doomed AS (
+    SELECT d.account_id, d.delivery_id
+      FROM sendonce.deliveries d
+     WHERE d.status IN ('sent', 'failed', 'suppressed')
+       AND d.updated_at < now() - %(older_than)s::interval
+       AND (d.campaign_id IS NULL
+            OR EXISTS (SELECT 1 FROM sendonce.campaigns c
+                        WHERE c.account_id = d.account_id AND c.campaign_id = d.campaign_id
+                          AND c.status IN ('sent', 'cancelled')))
+     ORDER BY d.delivery_id
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), ledger AS (
+    DELETE FROM sendonce.possible_duplicates p
+     USING doomed x
+     WHERE p.account_id = x.account_id AND p.delivery_id = x.delivery_id
+    RETURNING p.delivery_id
+)
+DELETE FROM sendonce.deliveries d
+ USING doomed x
+ WHERE d.account_id = x.account_id AND d.delivery_id = x.delivery_id
+RETURNING d.account_id, d.delivery_id, d.job_id, d.kind, d.campaign_id, d.subscriber_id, d.email, d.status,
+          d.attempt, d.failures, d.created_at, d.sent_at, d.transport_message_id, d.last_error, d.payload,
+          (SELECT count(*) FROM ledger l WHERE l.delivery_id = d.delivery_id) AS ledger_entries;
+
+-- raise_alert --
+-- Record an alert once per account, kind, subject and episode. A row back: it is new.
+INSERT INTO sendonce.alerts (account_id, kind, subject, episode, detail)
+VALUES (%(account_id)s, %(kind)s, %(subject)s, %(episode)s, %(detail)s)
+ON CONFLICT (account_id, kind, subject, episode) DO NOTHING
+RETURNING alert_id, created_at;
+
+-- list_alerts --
+-- An account's alerts, newest first.
+SELECT alert_id, kind, subject, detail, created_at
+  FROM sendonce.alerts
+ WHERE account_id = %(account_id)s
+ ORDER BY alert_id DESC
+ LIMIT %(limit)s;

@@ -1,0 +1,145 @@
+"""The abuse detector: abnormal retry patterns, judged against each subject's own baseline.
+
+Two signals:
+
+* **replay bursts**: per account, and per (account, client address), the number of absorbed repeats
+  is counted in buckets of a few seconds. An exponentially weighted mean and variance of past buckets
+  is the subject's baseline; a bucket is abnormal when its count passes both a floor
+  (``min_count``, so quiet subjects are never flagged for a handful of retries) and
+  ``max(mean + z * stddev, factor * mean)``. One burst raises one alert: the client's when one client
+  makes the burst, the account's when it is spread over many clients;
+* **many sources**: one address receiving signups from many client addresses within a period.
+
+The state lives in each API process; alerts go to PostgreSQL with a uniqueness key per subject, kind
+and hour, so several processes noticing the same burst still record one alert.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    account_id: int
+    kind: str
+    subject: str
+    detail: dict[str, object]
+
+
+@dataclass(slots=True)
+class _Series:
+    bucket: int = -1
+    count: int = 0
+    mean: float = 0.0
+    var: float = 0.0
+    seen: int = 0
+    flagged_bucket: int = -10
+
+    def advance(self, bucket: int, alpha: float) -> None:
+        if self.bucket == -1:
+            self.bucket = bucket
+            return
+        steps = min(bucket - self.bucket, 50)
+        for _ in range(max(steps, 0)):
+            # close the current bucket, then the empty ones in between
+            x = float(self.count)
+            if self.seen == 0:
+                self.mean, self.var = x, 0.0
+            else:
+                delta = x - self.mean
+                self.mean += alpha * delta
+                self.var = (1 - alpha) * (self.var + alpha * delta * delta)
+            self.seen += 1
+            self.count = 0
+        self.bucket = bucket
+
+
+@dataclass
+class AbuseDetector:
+    bucket_seconds: float = 10.0
+    alpha: float = 0.2
+    z: float = 4.0
+    factor: float = 5.0
+    min_count: int = 20
+    sources_threshold: int = 5
+    sources_window: float = 600.0
+    clock: Callable[[], float] = time.monotonic
+    _series: dict[str, _Series] = field(default_factory=dict)
+    _sources: dict[tuple[int, str], deque[tuple[float, str]]] = field(default_factory=dict)
+    _flagged_sources: dict[tuple[int, str], float] = field(default_factory=dict)
+
+    def _threshold(self, series: _Series) -> float:
+        return max(float(self.min_count), series.mean + self.z * math.sqrt(series.var), self.factor * series.mean)
+
+    def _observe(self, key: str, bucket: int) -> tuple[_Series, bool]:
+        series = self._series.setdefault(key, _Series())
+        series.advance(bucket, self.alpha)
+        series.count += 1
+        abnormal = series.count >= self._threshold(series)
+        # an episode lasts while consecutive buckets stay abnormal: flag its first bucket only
+        new_episode = abnormal and series.flagged_bucket < bucket - 1
+        if abnormal and (new_episode or series.flagged_bucket == bucket - 1):
+            series.flagged_bucket = bucket
+        return series, abnormal and new_episode
+
+    def observe_repeat(self, account_id: int, client: str) -> list[Flag]:
+        bucket = int(self.clock() // self.bucket_seconds)
+        client_series, client_flag = self._observe(f"{account_id}|client|{client}", bucket)
+        account_series, account_flag = self._observe(f"{account_id}|account", bucket)
+        if client_flag:
+            # the burst is this client's: the account's episode is covered by this one alert
+            account_series.flagged_bucket = bucket
+            return [
+                Flag(
+                    account_id,
+                    "replay_burst",
+                    f"client:{client}",
+                    {
+                        "repeats_in_window": client_series.count,
+                        "window_seconds": self.bucket_seconds,
+                        "baseline_per_window": round(client_series.mean, 2),
+                    },
+                )
+            ]
+        if account_flag:
+            return [
+                Flag(
+                    account_id,
+                    "replay_burst",
+                    f"account:{account_id}",
+                    {
+                        "repeats_in_window": account_series.count,
+                        "window_seconds": self.bucket_seconds,
+                        "baseline_per_window": round(account_series.mean, 2),
+                    },
+                )
+            ]
+        return []
+
+    def observe_signup(self, account_id: int, email_key: str, client: str) -> list[Flag]:
+        now = self.clock()
+        key = (account_id, email_key)
+        seen = self._sources.setdefault(key, deque())
+        seen.append((now, client))
+        while seen and seen[0][0] < now - self.sources_window:
+            seen.popleft()
+        clients = {c for _, c in seen}
+        if len(clients) < self.sources_threshold:
+            return []
+        last = self._flagged_sources.get(key)
+        if last is not None and last > now - self.sources_window:
+            return []
+        self._flagged_sources[key] = now
+        return [
+            Flag(
+                account_id,
+                "many_sources",
+                f"address:{email_key}",
+                {"distinct_clients": len(clients), "window_seconds": self.sources_window},
+            )
+        ]

@@ -1,0 +1,109 @@
+"""Composers for transactional mail: signup verification, and messages enqueued by applications.
+
+Transactional mail carries no List-Unsubscribe: it is not a mailing list.
+"""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any
+
+from sendonce.delivery.compose import ComposeError, Composer, Sender, TransactionalComposer, wire_address
+from sendonce.domain.jobs import JOB_ID_HEADER, message_id
+from sendonce.domain.keys import SIGNUP_EVENT
+from sendonce.domain.message import OutgoingMessage, format_address
+from sendonce.store.outbox import ClaimedDelivery
+
+_VERIFY_TEXT = {
+    "en": (
+        "Confirm your email address",
+        "Hello{name},\n\nPlease confirm your email address by opening this link:\n\n{url}\n\n"
+        "If you did not sign up, ignore this message.\n",
+        "Confirm my address",
+    ),
+    "fr": (
+        "Confirmez votre adresse e-mail",
+        "Bonjour{name},\n\nMerci de confirmer votre adresse e-mail en ouvrant ce lien :\n\n{url}\n\n"
+        "Si vous ne vous êtes pas inscrit, ignorez ce message.\n",
+        "Confirmer mon adresse",
+    ),
+    "es": (
+        "Confirma tu dirección de correo",
+        "Hola{name}:\n\nConfirma tu dirección de correo abriendo este enlace:\n\n{url}\n\n"
+        "Si no te has registrado, ignora este mensaje.\n",
+        "Confirmar mi dirección",
+    ),
+    "ca": (
+        "Confirma la teva adreça electrònica",
+        "Hola{name},\n\nConfirma la teva adreça electrònica obrint aquest enllaç:\n\n{url}\n\n"
+        "Si no t'has registrat, ignora aquest missatge.\n",
+        "Confirmar la meva adreça",
+    ),
+}
+
+
+def _base(delivery: ClaimedDelivery, sender: Sender, date: str, name: str | None) -> dict[str, Any]:
+    recipient, smtputf8 = wire_address(delivery.email)
+    return {
+        "job_id": delivery.job_id,
+        "envelope_from": sender.envelope_from,
+        "recipient": recipient,
+        "smtputf8": smtputf8,
+        "from_header": sender.from_header,
+        "to_header": format_address(name, recipient),
+        "message_id": message_id(delivery.job_id, sender.domain),
+        "date": date,
+        "headers": [(JOB_ID_HEADER, delivery.job_id)],
+    }
+
+
+def compose_signup_verification(delivery: ClaimedDelivery, sender: Sender, date: str) -> OutgoingMessage:
+    payload = delivery.payload
+    url = payload.get("verify_url")
+    if not isinstance(url, str) or not url:
+        raise ComposeError("the verification event has no link")
+    locale = str(payload.get("locale") or "en").lower().replace("_", "-").split("-")[0]
+    subject, body, button = _VERIFY_TEXT.get(locale, _VERIFY_TEXT["en"])
+    name = payload.get("name") if isinstance(payload.get("name"), str) else None
+    greeting = f" {name}" if name else ""
+    text = body.format(name=greeting, url=url)
+    html = (
+        f"<p>{escape(body.split(chr(10))[0].format(name=greeting))}</p>"
+        f'<p><a href="{escape(url, quote=True)}" '
+        'style="display:inline-block;padding:10px 18px;background:#2457d6;color:#fff;text-decoration:none;'
+        f'border-radius:4px">{escape(button)}</a></p>'
+        f'<p style="font-size:12px;color:#666">{escape(url)}</p>'
+    )
+    return OutgoingMessage(subject=subject, text=text, html=html, **_base(delivery, sender, date, name))
+
+
+def compose_message(delivery: ClaimedDelivery, sender: Sender, date: str) -> OutgoingMessage:
+    payload = delivery.payload
+    subject, text, html = payload.get("subject"), payload.get("text"), payload.get("html")
+    if not isinstance(subject, str) or not isinstance(text, str):
+        raise ComposeError("the message has no subject or text")
+    base = _base(delivery, sender, date, None)
+    extra = payload.get("headers") or {}
+    if isinstance(extra, dict):
+        reserved = {
+            "from",
+            "to",
+            "subject",
+            "date",
+            "message-id",
+            "mime-version",
+            "content-type",
+            JOB_ID_HEADER.lower(),
+        }
+        base["headers"] += [(str(k), str(v)) for k, v in extra.items() if str(k).lower() not in reserved]
+    return OutgoingMessage(subject=subject, text=text, html=html if isinstance(html, str) else None, **base)
+
+
+TRANSACTIONAL: dict[str, TransactionalComposer] = {
+    SIGNUP_EVENT: compose_signup_verification,
+    "message": compose_message,
+}
+
+
+def default_composer() -> Composer:
+    return Composer(TRANSACTIONAL)

@@ -1,0 +1,71 @@
+"""Keys derived under the server secret: operation keys and signed, expiring links.
+
+Operation keys identify an idempotent operation (one signup verification per address, origin and
+window) without being derivable by anyone who lacks the secret, so a client can neither predict a
+key nor use one to suppress someone else's mail. Links (verification, unsubscribe) are signed, so a
+forged one is rejected without a database lookup; ``itsdangerous`` does the signing, with key
+rotation: the previous secret still verifies what was signed before the rotation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Any
+
+from itsdangerous import BadSignature, SignatureExpired, URLSafeTimedSerializer
+
+SIGNUP_EVENT = "signup_verification_requested"
+
+
+def operation_key(secret: bytes, account_id: int, event: str, email_key: str, origin: str) -> str:
+    """HMAC-SHA256 of the operation's identity. The fields are joined with a separator that cannot
+    occur in any of them (unit separator), so two different tuples never produce the same message."""
+    message = "\x1f".join((str(account_id), event, email_key, origin)).encode("utf-8")
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+class InvalidToken(ValueError):
+    """The link is forged, damaged, or for another purpose."""
+
+
+class ExpiredToken(InvalidToken):
+    """The link was genuine but has expired."""
+
+
+@dataclass(frozen=True)
+class KeyRing:
+    """The current secret and, during a rotation, the previous one."""
+
+    current: bytes
+    previous: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.current) < 16:
+            raise ValueError("the server secret must be at least 16 bytes long")
+
+    def operation_keys(self, account_id: int, event: str, email_key: str, origin: str) -> tuple[str, str | None]:
+        """(key under the current secret, key under the previous one or None)."""
+        current = operation_key(self.current, account_id, event, email_key, origin)
+        previous = operation_key(self.previous, account_id, event, email_key, origin) if self.previous else None
+        return current, previous
+
+    def _serializer(self, purpose: str) -> URLSafeTimedSerializer:
+        # itsdangerous signs with the last key and accepts any of them.
+        keys = [self.previous, self.current] if self.previous else [self.current]
+        return URLSafeTimedSerializer(keys, salt=f"sendonce.{purpose}")
+
+    def sign(self, purpose: str, payload: dict[str, Any]) -> str:
+        return str(self._serializer(purpose).dumps(payload))
+
+    def verify(self, purpose: str, token: str, *, max_age: float | None = None) -> dict[str, Any]:
+        try:
+            payload = self._serializer(purpose).loads(token, max_age=None if max_age is None else int(max_age))
+        except SignatureExpired:
+            raise ExpiredToken("the link has expired") from None
+        except BadSignature:
+            raise InvalidToken("the link is not valid") from None
+        if not isinstance(payload, dict):
+            raise InvalidToken("the link is not valid")
+        return payload

@@ -1,0 +1,153 @@
+"""Enqueue transactional mail inside your own PostgreSQL transaction: the transactional outbox.
+
+An application that shares the database with sendonce writes the mail's outbox row on its own
+connection, in its own transaction, next to its own writes::
+
+    with psycopg.connect(url) as conn, conn.transaction():
+        conn.execute("INSERT INTO orders ...")
+        sendonce.outbox.enqueue(
+            conn,
+            account_id=1,
+            to="ann@example.com",
+            subject="Your order",
+            text="Thanks!",
+            key=f"order-confirmation:{order_id}",
+        )
+
+The mail exists if and only if that transaction commits: no mail for an order that rolled back, and
+no order without its mail when the process dies between the two. A sendonce worker picks the row up
+(NOTIFY wakes it at commit) and sends it through the same pipeline as every other mail. ``key`` is
+your idempotency key: enqueueing the same key twice queues one message (the second call returns
+``created=False``). ``enqueue_async`` does the same on a ``psycopg.AsyncConnection``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from sendonce.domain.addresses import parse_address
+from sendonce.errors import InvalidInput
+from sendonce.store.queries import query
+
+__all__ = ["Enqueued", "enqueue", "enqueue_async", "message_job_id"]
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    job_id: str
+    delivery_id: int | None
+    created: bool
+    """False: a message with this key was enqueued before; nothing new was queued."""
+
+
+def message_job_id(account_id: int, key: str) -> str:
+    """The job id of a message enqueued with ``key``: the same key always gives the same id."""
+    digest = hashlib.sha256(f"{account_id}\x1f{key}".encode()).hexdigest()[:40]
+    return f"message:{digest}"
+
+
+def _params(
+    *,
+    account_id: int,
+    to: str,
+    subject: str,
+    text: str,
+    html: str | None,
+    key: str,
+    priority: int,
+    headers: dict[str, str] | None,
+    not_before: datetime | None,
+) -> dict[str, Any]:
+    if not key or len(key) > 255:
+        raise InvalidInput("key must be a non-empty string of at most 255 characters")
+    if not subject or not text:
+        raise InvalidInput("subject and text are required")
+    if not 0 <= priority <= 99:
+        raise InvalidInput("priority must be within 0..99 (campaign mail is 100)")
+    address = parse_address(to)
+    return {
+        "account_id": account_id,
+        "job_id": message_job_id(account_id, key),
+        "priority": priority,
+        "email": address.given,
+        "email_key": address.key,
+        "payload": Jsonb({"subject": subject, "text": text, "html": html, "headers": headers or {}, "key": key}),
+        "not_before": not_before,
+    }
+
+
+def enqueue(
+    conn: psycopg.Connection[Any],
+    *,
+    account_id: int,
+    to: str,
+    subject: str,
+    text: str,
+    key: str,
+    html: str | None = None,
+    priority: int = 10,
+    headers: dict[str, str] | None = None,
+    not_before: datetime | None = None,
+) -> Enqueued:
+    """Write the message's outbox row on ``conn``, in the caller's current transaction."""
+    params = _params(
+        account_id=account_id,
+        to=to,
+        subject=subject,
+        text=text,
+        html=html,
+        key=key,
+        priority=priority,
+        headers=headers,
+        not_before=not_before,
+    )
+    row = conn.execute(query("enqueue_message"), params).fetchone()
+    delivery_id = _first(row)
+    return Enqueued(params["job_id"], delivery_id, delivery_id is not None)
+
+
+async def enqueue_async(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    account_id: int,
+    to: str,
+    subject: str,
+    text: str,
+    key: str,
+    html: str | None = None,
+    priority: int = 10,
+    headers: dict[str, str] | None = None,
+    not_before: datetime | None = None,
+) -> Enqueued:
+    """The same as :func:`enqueue`, on an async connection."""
+    params = _params(
+        account_id=account_id,
+        to=to,
+        subject=subject,
+        text=text,
+        html=html,
+        key=key,
+        priority=priority,
+        headers=headers,
+        not_before=not_before,
+    )
+    row = await (await conn.execute(query("enqueue_message"), params)).fetchone()
+    delivery_id = _first(row)
+    return Enqueued(params["job_id"], delivery_id, delivery_id is not None)
+
+
+def _first(row: Any) -> int | None:
+    # Works whatever row factory the caller's connection uses.
+    if row is None:
+        return None
+    if isinstance(row, dict):
+        return int(next(iter(row.values())))
+    if isinstance(row, tuple | list):
+        return int(row[0])
+    return int(row.delivery_id)

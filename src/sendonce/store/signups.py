@@ -1,0 +1,196 @@
+"""The signup transaction: pending user, idempotency window and outbox event, atomically.
+
+Everything a request does happens in one transaction. If the process dies before the commit,
+nothing happened and the client's retry does the work; after it, the outbox row is durable and a
+worker sends it. A repeat within the window gets the first request's answer and queues nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from psycopg.types.json import Jsonb
+
+from sendonce.domain.addresses import Address
+from sendonce.domain.keys import SIGNUP_EVENT, KeyRing
+from sendonce.errors import InvalidInput, SendonceError
+from sendonce.store import rate_limits
+from sendonce.store.accounts import Account, get_account
+from sendonce.store.database import Conn
+from sendonce.store.queries import query
+from sendonce.store.rate_limits import Rate
+
+ORIGINS = ("web", "app", "api")
+VERIFY_PURPOSE = "verify"
+
+
+class AddressSuppressed(InvalidInput):
+    """This address is suppressed for the account: no verification mail can be sent to it."""
+
+
+class RateLimited(SendonceError):
+    """Too many signup requests; try again later."""
+
+    def __init__(self, retry_after: float, scope: str) -> None:
+        super().__init__(f"too many signup requests for this {scope}; retry in {retry_after:.0f}s")
+        self.retry_after = retry_after
+        self.scope = scope
+
+
+@dataclass(frozen=True, slots=True)
+class SignupOutcome:
+    new: bool
+    """True: this request opened a window and queued a mail (201). False: a repeat (200)."""
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class SignupLimits:
+    per_address: Rate
+    per_account: Rate
+
+
+def _answer(stored: dict[str, Any] | None, fallback: dict[str, Any]) -> dict[str, Any]:
+    """The stored answer in a fixed key order (jsonb does not keep it), so repeats are byte-identical."""
+    source = stored or fallback
+    return {key: source[key] for key in ("signup_id", "status", "verification")}
+
+
+async def _one(conn: Conn, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
+    return await (await conn.execute(query(name), params)).fetchone()
+
+
+async def request_signup(
+    conn: Conn,
+    *,
+    account: Account,
+    address: Address,
+    origin: str,
+    name: str | None,
+    locale: str | None,
+    redirect_url: str | None,
+    keys: KeyRing,
+    window: timedelta,
+    limits: SignupLimits,
+    verify_url: Callable[[str], str],
+) -> SignupOutcome:
+    aid = account.account_id
+    async with conn.transaction():
+        suppressed = await _one(conn, "is_suppressed", {"account_id": aid, "email_key": address.key})
+        if suppressed and suppressed["suppressed"]:
+            raise AddressSuppressed
+        signup = await _one(
+            conn,
+            "upsert_signup",
+            {
+                "account_id": aid,
+                "email": address.given,
+                "email_key": address.key,
+                "origin": origin,
+                "name": name,
+                "locale": locale,
+                "redirect_url": redirect_url,
+            },
+        )
+        assert signup is not None
+        signup_id = int(signup["signup_id"])
+        if signup["status"] == "verified":
+            return SignupOutcome(False, {"signup_id": signup_id, "status": "verified", "verification": "not_needed"})
+        pending = {"signup_id": signup_id, "status": "pending", "verification": "queued"}
+
+        current, previous = keys.operation_keys(aid, SIGNUP_EVENT, address.key, origin)
+        if previous is not None:
+            # A window opened under the previous secret is still the window: rotation neither
+            # re-opens it nor lets two windows run at once.
+            old = await _one(conn, "lock_window", {"account_id": aid, "operation_key": previous, "window": window})
+            if old is not None and old["open"]:
+                return SignupOutcome(False, _answer(old["answer"], pending))
+        opened = await _one(
+            conn,
+            "open_window",
+            {"account_id": aid, "operation_key": current, "signup_id": signup_id, "window": window},
+        )
+        if opened is None:
+            answer = await _one(conn, "lock_window", {"account_id": aid, "operation_key": current, "window": window})
+            return SignupOutcome(False, _answer((answer or {}).get("answer"), pending))
+
+        window_id, generation = int(opened["window_id"]), int(opened["generation"])
+        token = keys.sign(VERIFY_PURPOSE, {"a": aid, "s": signup_id, "w": window_id, "g": generation})
+        payload = {
+            "signup_id": signup_id,
+            "email": address.given,
+            "name": name,
+            "locale": locale,
+            "origin": origin,
+            "verify_url": verify_url(token),
+        }
+        delivery = await _one(
+            conn,
+            "insert_operation",
+            {
+                "account_id": aid,
+                "job_id": f"signup:{window_id}:{generation}",
+                "kind": SIGNUP_EVENT,
+                "email": address.given,
+                "email_key": address.key,
+                "payload": Jsonb(payload),
+                "operation_key": f"{current}:{generation}",
+            },
+        )
+        if delivery is None:  # the event of this window exists already: a repeat
+            return SignupOutcome(False, pending)
+
+        # Only a request that queues a mail spends tokens; a refusal rolls the whole transaction back.
+        wait = await rate_limits.take(conn, aid, f"signup:address:{address.key}", limits.per_address)
+        if wait is not None:
+            raise RateLimited(wait, "address")
+        wait = await rate_limits.take(conn, aid, "signup:account", limits.per_account)
+        if wait is not None:
+            raise RateLimited(wait, "account")
+        await conn.execute(
+            query("set_window_answer"), {"account_id": aid, "operation_key": current, "answer": Jsonb(pending)}
+        )
+        return SignupOutcome(True, pending)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyOutcome:
+    signup_id: int
+    already: bool
+    redirect_url: str | None
+
+
+class UnknownSignup(InvalidInput):
+    """The link does not match any signup."""
+
+
+async def verify_signup(conn: Conn, payload: dict[str, Any]) -> VerifyOutcome:
+    """Mark the signup verified and make the person a confirmed subscriber, atomically, idempotently."""
+    try:
+        aid, signup_id = int(payload["a"]), int(payload["s"])
+    except (KeyError, TypeError, ValueError):
+        raise UnknownSignup from None
+    async with conn.transaction():
+        row = await _one(conn, "verify_signup", {"account_id": aid, "signup_id": signup_id})
+        if row is None:
+            current = await _one(conn, "get_signup", {"account_id": aid, "signup_id": signup_id})
+            if current is None:
+                raise UnknownSignup
+            return VerifyOutcome(signup_id, True, current["redirect_url"])
+        account = await get_account(conn, aid)
+        assert account is not None
+        subscriber = await _one(
+            conn,
+            "confirm_subscriber",
+            {"account_id": aid, "email": row["email"], "email_key": row["email_key"], "name": row["name"]},
+        )
+        assert subscriber is not None
+        if account.signup_list_id is not None:
+            await conn.execute(
+                query("confirm_membership"),
+                {"account_id": aid, "list_id": account.signup_list_id, "subscriber_id": subscriber["subscriber_id"]},
+            )
+        return VerifyOutcome(signup_id, False, row["redirect_url"])

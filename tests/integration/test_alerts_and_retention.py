@@ -1,0 +1,143 @@
+"""Retry-abuse alerts through the API (stored once, posted to a webhook) and outbox retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from sendonce.delivery.worker import WorkerConfig
+from sendonce.store import outbox
+from sendonce.store.database import connect
+from sendonce.testing.inbox import Inbox
+from sendonce.transports.registry import transport_from_url
+from tests.conftest import ApiServer
+from tests.helpers import campaign_setup, emails, run_to_drain
+
+ADMIN = {"Authorization": "Bearer test-admin-token"}
+
+
+class Hook:
+    def __init__(self) -> None:
+        self.posts: list[dict[str, Any]] = []
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("content-length", 0))
+                hook.posts.append(json.loads(self.rfile.read(length)))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def hook() -> Iterator[Hook]:
+    h = Hook()
+    yield h
+    h.close()
+
+
+def _account(c: httpx.Client) -> dict[str, str]:
+    key = c.post("/v1/accounts", json={"name": "a", "from_email": "a@acme.test"}, headers=ADMIN).json()["api_key"]
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_a_replay_burst_raises_exactly_one_alert_and_normal_traffic_none(database_url: str, hook: Hook) -> None:
+    import time
+
+    with (
+        ApiServer(database_url, secret="x" * 32, alert_webhook_url=hook.url, abuse_min_repeats=15) as api,
+        httpx.Client(base_url=api.url, timeout=30) as c,
+    ):
+        auth = _account(c)
+        # normal traffic: distinct people signing up, the odd retry
+        for i in range(30):
+            c.post("/v1/signups", json={"email": f"user{i}@example.test", "origin": "web"}, headers=auth)
+            if i % 10 == 0:
+                c.post("/v1/signups", json={"email": f"user{i}@example.test", "origin": "web"}, headers=auth)
+        assert c.get("/v1/alerts", headers=auth).json()["items"] == []
+        # a client stuck in a retry loop
+        for _ in range(60):
+            c.post("/v1/signups", json={"email": "loop@example.test", "origin": "app"}, headers=auth)
+        alerts = c.get("/v1/alerts", headers=auth).json()["items"]
+        assert [(a["kind"], a["subject"]) for a in alerts] == [("replay_burst", "client:127.0.0.1")]
+        assert alerts[0]["detail"]["repeats_in_window"] >= 15
+        deadline = time.monotonic() + 10
+        while not hook.posts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(hook.posts) == 1
+        assert hook.posts[0]["subject"] == "client:127.0.0.1"
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM sendonce.alerts").fetchone() == (1,)
+
+
+async def test_prune_archives_and_deletes_only_finished_old_rows(database_url: str, tmp_path: Path) -> None:
+    finished = await campaign_setup(database_url, emails(5))
+    with Inbox() as inbox:
+        await run_to_drain(database_url, transport_from_url(inbox.url), WorkerConfig(tick=0.2, lease=5, drain=True))
+    await campaign_setup(database_url, emails(3, "other.test"))
+    async with await connect(database_url) as aconn:  # a campaign still running: built, partly sent
+        await outbox.start_due_campaigns(aconn)
+        while await outbox.build_next_chunk(aconn, 100):
+            pass
+    with psycopg.connect(database_url) as conn:
+        conn.execute("UPDATE sendonce.deliveries SET status = 'sent' WHERE email = 'user000000@other.test'")
+        conn.execute("UPDATE sendonce.deliveries SET updated_at = now() - interval '100 days'")
+    archive = tmp_path / "archive.jsonl"
+    env = {**os.environ, "SENDONCE_DATABASE_URL": database_url}
+    dry = subprocess.run(
+        [sys.executable, "-m", "sendonce.cli", "outbox", "prune", "--older-than", "90d", "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "would remove at least 5 rows" in dry.stderr
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM sendonce.deliveries").fetchone() == (8,)
+    done = subprocess.run(
+        [sys.executable, "-m", "sendonce.cli", "outbox", "prune", "--older-than", "90d", "--archive", str(archive)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "removed 5 outbox rows" in done.stderr
+    rows = [json.loads(line) for line in archive.read_text().splitlines()]
+    assert sorted(r["email"] for r in rows) == emails(5)
+    assert {r["status"] for r in rows} == {"sent"}
+    with psycopg.connect(database_url) as conn:
+        # the running campaign's rows, sent or not, are all still there
+        assert conn.execute("SELECT count(*) FROM sendonce.deliveries").fetchone() == (3,)
+        assert conn.execute(
+            "SELECT status FROM sendonce.campaigns WHERE campaign_id = %s", (finished.campaign_id,)
+        ).fetchone() == ("sent",)
+    bad = subprocess.run(
+        [sys.executable, "-m", "sendonce.cli", "outbox", "prune", "--older-than", "soon"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2 and "--older-than" in bad.stderr

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+from sendonce.api.abuse import AbuseDetector
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_burst_of_replays_from_one_client_raises_exactly_one_alert() -> None:
+    clock = Clock()
+    detector = AbuseDetector(bucket_seconds=10, min_count=20, clock=clock)
+    flags = []
+    # normal traffic first: a few repeats per window, from several clients
+    for _window in range(30):
+        for i in range(3):
+            flags += detector.observe_repeat(7, f"10.0.0.{i}")
+        clock.now += 10
+    assert flags == []
+    # one client retries in a tight loop for a whole minute
+    for _ in range(600):
+        flags += detector.observe_repeat(7, "203.0.113.9")
+        clock.now += 0.1
+    assert [(f.kind, f.subject) for f in flags] == [("replay_burst", "client:203.0.113.9")]
+    assert flags[0].detail["baseline_per_window"] < 2
+
+
+def test_the_threshold_follows_the_subjects_own_baseline() -> None:
+    clock = Clock()
+    detector = AbuseDetector(bucket_seconds=10, min_count=20, factor=5, clock=clock)
+    # a busy integration that always retries a lot: 60 repeats per window, steadily
+    flags = []
+    for _ in range(50):
+        for _ in range(60):
+            flags += detector.observe_repeat(1, "198.51.100.1")
+        clock.now += 10
+    # the first windows, before any baseline, are over the floor: that start is flagged once
+    assert len(flags) == 1
+    flags.clear()
+    for _ in range(30):  # steady traffic at its usual rate raises nothing more
+        for _ in range(60):
+            flags += detector.observe_repeat(1, "198.51.100.1")
+        clock.now += 10
+    assert flags == []
+    for _ in range(400):  # a jump far above its own baseline does
+        flags += detector.observe_repeat(1, "198.51.100.1")
+    assert len(flags) == 1
+
+
+def test_a_burst_spread_over_many_clients_is_an_account_alert() -> None:
+    clock = Clock()
+    detector = AbuseDetector(bucket_seconds=10, min_count=20, clock=clock)
+    flags = []
+    for i in range(200):
+        flags += detector.observe_repeat(3, f"192.0.2.{i % 50}")
+    assert [(f.kind, f.subject) for f in flags] == [("replay_burst", "account:3")]
+
+
+def test_one_address_signed_up_from_many_sources() -> None:
+    clock = Clock()
+    detector = AbuseDetector(sources_threshold=5, sources_window=600, clock=clock)
+    flags = []
+    for i in range(4):
+        flags += detector.observe_signup(1, "victim@example.test", f"192.0.2.{i}")
+        flags += detector.observe_signup(1, f"user{i}@example.test", f"192.0.2.{i}")
+    assert flags == []
+    for i in range(4, 12):
+        flags += detector.observe_signup(1, "victim@example.test", f"192.0.2.{i}")
+    assert [(f.kind, f.subject) for f in flags] == [("many_sources", "address:victim@example.test")]

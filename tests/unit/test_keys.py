@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import string
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sendonce.domain.addresses import email_key
+from sendonce.domain.keys import SIGNUP_EVENT, ExpiredToken, InvalidToken, KeyRing, operation_key
+
+SECRET = b"a-secret-of-sufficient-length!!"
+local = st.text(alphabet=string.ascii_letters + string.digits + "._+-", min_size=1, max_size=16).filter(
+    lambda s: not s.startswith(".") and not s.endswith(".") and ".." not in s
+)
+domain = st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=10).map(lambda s: f"{s}.test")
+origins = st.sampled_from(["web", "app", "api"])
+accounts = st.integers(min_value=1, max_value=2**63 - 1)
+
+
+@given(accounts, local, domain, origins, st.lists(st.booleans(), max_size=40))
+def test_equivalent_inputs_give_one_key(account: int, lp: str, dom: str, origin: str, flips: list[bool]) -> None:
+    address = f"{lp}@{dom}"
+    variant = "".join(c.upper() if f else c for c, f in zip(address, flips + [False] * len(address), strict=False))
+    assert operation_key(SECRET, account, SIGNUP_EVENT, email_key(address), origin) == operation_key(
+        SECRET, account, SIGNUP_EVENT, email_key(f"  {variant} "), origin
+    )
+
+
+@given(st.tuples(accounts, local, domain, origins), st.tuples(accounts, local, domain, origins))
+def test_distinct_operations_never_collide(a: tuple[int, str, str, str], b: tuple[int, str, str, str]) -> None:
+    key_a = (a[0], email_key(f"{a[1]}@{a[2]}"), a[3])
+    key_b = (b[0], email_key(f"{b[1]}@{b[2]}"), b[3])
+    if key_a == key_b:
+        return
+    assert operation_key(SECRET, key_a[0], SIGNUP_EVENT, key_a[1], key_a[2]) != operation_key(
+        SECRET, key_b[0], SIGNUP_EVENT, key_b[1], key_b[2]
+    )
+
+
+@given(st.binary(min_size=16, max_size=64), st.binary(min_size=16, max_size=64), accounts, local, domain, origins)
+def test_the_secret_matters(s1: bytes, s2: bytes, account: int, lp: str, dom: str, origin: str) -> None:
+    if s1 == s2:
+        return
+    ek = email_key(f"{lp}@{dom}")
+    assert operation_key(s1, account, SIGNUP_EVENT, ek, origin) != operation_key(s2, account, SIGNUP_EVENT, ek, origin)
+
+
+def test_fields_cannot_be_shifted_into_each_other() -> None:
+    # without a separator, ("1", "2x") and ("12", "x") would hash the same message
+    assert operation_key(SECRET, 1, "2x", "a@b.test", "web") != operation_key(SECRET, 12, "x", "a@b.test", "web")
+
+
+def test_tokens_verify_reject_forgeries_and_survive_rotation() -> None:
+    old = KeyRing(SECRET)
+    token = old.sign("verify", {"a": 1, "s": 2})
+    assert old.verify("verify", token) == {"a": 1, "s": 2}
+    with pytest.raises(InvalidToken):
+        old.verify("unsubscribe", token)  # a token for one purpose is not valid for another
+    with pytest.raises(InvalidToken):
+        old.verify("verify", token[:-2] + "xx")
+    rotated = KeyRing(b"the-next-secret-of-enough-bytes", previous=SECRET)
+    assert rotated.verify("verify", token) == {"a": 1, "s": 2}
+    assert (
+        rotated.operation_keys(1, SIGNUP_EVENT, "a@b.test", "web")[1]
+        == old.operation_keys(1, SIGNUP_EVENT, "a@b.test", "web")[0]
+    )
+    with pytest.raises(InvalidToken):
+        KeyRing(b"the-next-secret-of-enough-bytes").verify("verify", token)
+    with pytest.raises(ExpiredToken):
+        old.verify("verify", old.sign("verify", {"a": 1}), max_age=-1)
+    with pytest.raises(ValueError, match="16 bytes"):
+        KeyRing(b"short")
