@@ -112,8 +112,9 @@ class ApiServer:
 
         from sendonce.api.app import create_app
         from sendonce.settings import load_settings
+        from tests.helpers import TEST_SECRET
 
-        self.settings = load_settings(**{"admin_token": "test-admin-token", **settings})
+        self.settings = load_settings(**{"admin_token": "test-admin-token", "secret": TEST_SECRET, **settings})
         self.app = create_app(self.settings, database_url=database_url)
         self.port = free_port()
         self.server = uvicorn.Server(

@@ -7,13 +7,23 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from sendonce.delivery.compose import Composer, Links
 from sendonce.delivery.transactional import default_composer
 from sendonce.delivery.worker import Worker, WorkerConfig, WorkerStats
 from sendonce.domain.addresses import parse_address
+from sendonce.domain.keys import KeyRing
 from sendonce.domain.states import SubscriberStatus
 from sendonce.store import accounts, campaigns, lists, subscribers
 from sendonce.store.database import Conn, connect
 from sendonce.transports.base import Transport
+
+TEST_SECRET = "test-secret-0123456789abcdef0123"
+"""The secret test workers sign links with; ApiServer in conftest uses the same by default."""
+PUBLIC_URL = "http://127.0.0.1:8000"
+
+
+def composer(public_url: str = PUBLIC_URL, secret: str = TEST_SECRET) -> Composer:
+    return default_composer(Links(KeyRing(secret.encode()), public_url))
 
 
 @dataclass
@@ -79,7 +89,7 @@ async def running_worker(
     url: str, transport: Transport, config: WorkerConfig | None = None, **kwargs: object
 ) -> AsyncIterator[Worker]:
     """A worker running in this event loop; stopped (gracefully) on exit."""
-    kwargs.setdefault("composer", default_composer())
+    kwargs.setdefault("composer", composer())
     worker = Worker(url, transport, config or WorkerConfig(tick=0.5, lease=5), **kwargs)  # type: ignore[arg-type]
     task = asyncio.create_task(worker.run())
     try:
@@ -93,7 +103,7 @@ async def run_to_drain(
     url: str, transport: Transport, config: WorkerConfig | None = None, timeout: float = 60, **kwargs: object
 ) -> WorkerStats:
     config = config or WorkerConfig(tick=0.5, lease=5, drain=True)
-    kwargs.setdefault("composer", default_composer())
+    kwargs.setdefault("composer", composer())
     worker = Worker(url, transport, config, **kwargs)  # type: ignore[arg-type]
     return await asyncio.wait_for(worker.run(), timeout)
 

@@ -6,7 +6,7 @@ import logging
 import os
 import secrets
 
-from sendonce.delivery.compose import Composer
+from sendonce.delivery.compose import Composer, Links
 from sendonce.delivery.transactional import default_composer
 from sendonce.delivery.worker import Worker, WorkerConfig
 from sendonce.domain.keys import KeyRing
@@ -34,7 +34,9 @@ def build_transport(settings: Settings, *, concurrency: int = 10) -> Transport:
 
 
 def build_composer(settings: Settings) -> Composer:
-    return default_composer()
+    return default_composer(
+        Links(keyring(settings), settings.public_url, unsubscribe_mailto=settings.unsubscribe_mailto)
+    )
 
 
 def build_worker(

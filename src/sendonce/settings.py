@@ -39,6 +39,8 @@ class Settings(BaseSettings):
     """The secret before the last rotation, still accepted for keys and links made with it."""
     public_url: str = "http://127.0.0.1:8000"
     """Base URL where people reach the API (verification and unsubscribe links)."""
+    unsubscribe_mailto: str | None = None
+    """Mailbox of the mailto: part of List-Unsubscribe (default unsubscribe@<sending domain>)."""
     signup_window: Duration = Field(default=timedelta(hours=1))
     alert_webhook_url: str | None = None
     max_body_bytes: int = 1_048_576

@@ -15,7 +15,15 @@ from sendonce.testing.inbox import Inbox, InboxFaults
 from sendonce.testing.resend_server import ResendFaults, ResendServer
 from sendonce.testing.tcp_proxy import TcpProxy
 from sendonce.transports.registry import transport_from_url
-from tests.helpers import campaign_setup, campaign_status, emails, proxy_target, run_to_drain, through_proxy
+from tests.helpers import (
+    campaign_setup,
+    campaign_status,
+    composer,
+    emails,
+    proxy_target,
+    run_to_drain,
+    through_proxy,
+)
 
 FAST = {"tick": 0.2, "lease": 5.0, "backoff_base": 0.05, "backoff_cap": 0.2}
 
@@ -106,7 +114,12 @@ async def test_pause_stops_sending_and_resume_finishes_exactly_once(database_url
     setup = await campaign_setup(database_url, addresses)
     assert setup.campaign_id is not None
     with Inbox(faults=InboxFaults(slow=1.0, slow_seconds=0.02)) as inbox:
-        worker = Worker(database_url, transport_from_url(inbox.url), WorkerConfig(concurrency=2, batch_size=5, **FAST))
+        worker = Worker(
+            database_url,
+            transport_from_url(inbox.url),
+            WorkerConfig(concurrency=2, batch_size=5, **FAST),
+            composer=composer(),
+        )
         task = asyncio.create_task(worker.run())
         assert await asyncio.to_thread(inbox.wait_for, 20, 30)
         async with await connect(database_url) as conn:
@@ -130,7 +143,12 @@ async def test_graceful_stop_gives_back_what_was_not_started(database_url: str) 
     addresses = emails(60)
     setup = await campaign_setup(database_url, addresses)
     with Inbox(faults=InboxFaults(slow=1.0, slow_seconds=0.05)) as inbox:
-        worker = Worker(database_url, transport_from_url(inbox.url), WorkerConfig(concurrency=2, batch_size=20, **FAST))
+        worker = Worker(
+            database_url,
+            transport_from_url(inbox.url),
+            WorkerConfig(concurrency=2, batch_size=20, **FAST),
+            composer=composer(),
+        )
         task = asyncio.create_task(worker.run())
         assert await asyncio.to_thread(inbox.wait_for, 3, 30)
         worker.stop()
@@ -158,7 +176,9 @@ async def test_a_worker_cut_off_from_the_database_stops_sending_before_its_lease
         TcpProxy(**proxy_target(database_url)) as proxy,
         ResendServer(faults=ResendFaults(delay_seconds=0.2)) as server,
     ):  # type: ignore[arg-type]
-        worker = Worker(through_proxy(database_url, proxy.port), transport_from_url(server.url), config)
+        worker = Worker(
+            through_proxy(database_url, proxy.port), transport_from_url(server.url), config, composer=composer()
+        )
         task = asyncio.create_task(worker.run())
         while not server.request_log:
             await asyncio.sleep(0.005)
@@ -176,6 +196,14 @@ async def test_a_worker_cut_off_from_the_database_stops_sending_before_its_lease
         assert len(server.accepted) == 30
 
 
+async def _claimed_rows(url: str) -> int:
+    async with await connect(url) as conn:
+        row = await (
+            await conn.execute("SELECT count(*) AS n FROM sendonce.deliveries WHERE status = 'sending'")
+        ).fetchone()
+    return int(row["n"]) if row else 0
+
+
 @pytest.mark.parametrize("transport", ["resend", "smtp"])
 async def test_a_zombie_worker_cannot_complete_rows_taken_over_by_another(database_url: str, transport: str) -> None:
     """The isolated worker's late outcomes are refused (fencing); the successor finishes the campaign."""
@@ -183,18 +211,27 @@ async def test_a_zombie_worker_cannot_complete_rows_taken_over_by_another(databa
     setup = await campaign_setup(database_url, addresses)
     await _prebuild(database_url)
     config = WorkerConfig(concurrency=2, batch_size=20, lease=2.0, tick=0.2)
-    resend = ResendServer(faults=ResendFaults(delay_seconds=0.1)).start()
-    inbox = Inbox(faults=InboxFaults(slow=1.0, slow_seconds=0.1)).start()
+    # Slow transports: the zombie's first messages are still in flight when the partition starts,
+    # so their outcomes can only reach the database after it heals.
+    resend = ResendServer(faults=ResendFaults(delay_seconds=0.3)).start()
+    inbox = Inbox(faults=InboxFaults(slow=1.0, slow_seconds=0.3)).start()
     url = resend.url if transport == "resend" else inbox.url
     try:
         with TcpProxy(**proxy_target(database_url)) as proxy:  # type: ignore[arg-type]
-            zombie = Worker(through_proxy(database_url, proxy.port), transport_from_url(url), config)
+            zombie = Worker(
+                through_proxy(database_url, proxy.port), transport_from_url(url), config, composer=composer()
+            )
             zombie_task = asyncio.create_task(zombie.run())
-            while not (resend.request_log or inbox.messages):
+            while await _claimed_rows(database_url) == 0:
                 await asyncio.sleep(0.005)
-            proxy.pause()
+            proxy.pause()  # right after the claim, before any send could complete
             await asyncio.sleep(config.lease + 0.5)
-            successor = Worker(database_url, transport_from_url(url), WorkerConfig(concurrency=2, lease=2.0, tick=0.2))
+            successor = Worker(
+                database_url,
+                transport_from_url(url),
+                WorkerConfig(concurrency=2, lease=2.0, tick=0.2),
+                composer=composer(),
+            )
             successor_task = asyncio.create_task(successor.run())
             await _wait_status(database_url, setup.account_id, setup.campaign_id, "sent", timeout=60)
             proxy.heal()

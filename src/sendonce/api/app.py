@@ -16,7 +16,17 @@ from sendonce.api import problems
 from sendonce.api.abuse import AbuseDetector
 from sendonce.api.metrics import ApiMetrics
 from sendonce.api.middleware import BodyLimitMiddleware
-from sendonce.api.routes import account, accounts, campaigns, lists, outbox, signups, subscribers, suppressions
+from sendonce.api.routes import (
+    account,
+    accounts,
+    campaigns,
+    lists,
+    outbox,
+    signups,
+    subscribers,
+    suppressions,
+    unsubscribe,
+)
 from sendonce.api.services import Services
 from sendonce.errors import ConfigurationError
 from sendonce.faults import Faults
@@ -78,7 +88,7 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
         return settings.max_import_bytes if path.endswith("/import") else settings.max_body_bytes
 
     app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
-    for module in (accounts, account, lists, subscribers, campaigns, suppressions, signups, outbox):
+    for module in (accounts, account, lists, subscribers, campaigns, suppressions, signups, outbox, unsubscribe):
         app.include_router(module.router)
 
     @app.get("/metrics", include_in_schema=False)

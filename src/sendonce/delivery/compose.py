@@ -12,11 +12,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from email.utils import formatdate
+from html import escape
 from typing import Any
 
 from sendonce.delivery.render import CompiledTemplate, TemplateError, compile_template
 from sendonce.domain.addresses import parse_address
 from sendonce.domain.jobs import JOB_ID_HEADER, message_id
+from sendonce.domain.keys import KeyRing
 from sendonce.domain.message import OutgoingMessage, format_address
 from sendonce.store import accounts as account_store
 from sendonce.store import campaigns as campaign_store
@@ -25,8 +27,45 @@ from sendonce.store.outbox import ClaimedDelivery
 
 logger = logging.getLogger(__name__)
 
-CAMPAIGN_VARIABLES = frozenset({"email", "name", "attributes", "subscriber", "campaign"})
+CAMPAIGN_VARIABLES = frozenset({"email", "name", "attributes", "subscriber", "campaign", "unsubscribe_url"})
 """What a campaign template may use."""
+
+UNSUBSCRIBE_PURPOSE = "unsubscribe"
+
+
+@dataclass(frozen=True, slots=True)
+class Links:
+    """Signed links in mail: built on the public URL where people reach the API."""
+
+    keys: KeyRing
+    public_url: str
+    unsubscribe_mailto: str | None = None
+    """Address for the mailto: part of List-Unsubscribe; default unsubscribe@<sending domain>."""
+
+    def unsubscribe_token(self, account_id: int, subscriber_id: int, campaign_id: int) -> str:
+        return self.keys.sign_stable(UNSUBSCRIBE_PURPOSE, {"a": account_id, "s": subscriber_id, "c": campaign_id})
+
+    def unsubscribe_url(self, token: str) -> str:
+        return f"{self.public_url.rstrip('/')}/u/{token}"
+
+    def list_unsubscribe(self, token: str, domain: str) -> str:
+        """RFC 2369 List-Unsubscribe: the one-click HTTPS URL, then a mailto: fallback."""
+        mailbox = self.unsubscribe_mailto or f"unsubscribe@{domain}"
+        return f"<{self.unsubscribe_url(token)}>, <mailto:{mailbox}?subject=unsubscribe%20{token}>"
+
+
+def _footer_text(url: str) -> str:
+    return f"\n\n--\nTo stop receiving these emails, unsubscribe: {url}\n"
+
+
+def _footer_html(html: str, url: str) -> str:
+    link = (
+        '<p style="font-size:12px;color:#666">To stop receiving these emails, '
+        f'<a href="{escape(url, quote=True)}">unsubscribe</a>.</p>'
+    )
+    lower = html.lower()
+    at = lower.rfind("</body>")
+    return html[:at] + link + html[at:] if at != -1 else html + link
 
 
 class ComposeError(Exception):
@@ -45,6 +84,8 @@ class CampaignContent:
     envelope_from: str
     domain: str
     boundary: str
+    uses_unsubscribe_url: bool
+    """The template shows the link itself; otherwise a footer with it is added."""
 
 
 def compile_campaign(
@@ -97,7 +138,8 @@ _ACCOUNT_TTL = 60.0
 
 
 class Composer:
-    def __init__(self, transactional: dict[str, TransactionalComposer] | None = None) -> None:
+    def __init__(self, transactional: dict[str, TransactionalComposer] | None = None, *, links: Links) -> None:
+        self.links = links
         self._campaigns: dict[tuple[int, int], CampaignContent] = {}
         self._senders: dict[int, tuple[float, Sender]] = {}
         self._transactional = dict(transactional or {})
@@ -153,6 +195,9 @@ class Composer:
                 envelope_from=envelope_from,
                 domain=envelope_from.rpartition("@")[2],
                 boundary=f"=_so_{secrets.token_hex(12)}",
+                uses_unsubscribe_url=any(
+                    "unsubscribe_url" in t.variables for t in (subject, text, html) if t is not None
+                ),
             )
 
     def compose(self, delivery: ClaimedDelivery) -> OutgoingMessage:
@@ -177,6 +222,9 @@ class Composer:
         if content is None:
             raise ComposeError(f"campaign {delivery.campaign_id} could not be loaded")
         recipient, smtputf8 = wire_address(delivery.email)
+        assert delivery.subscriber_id is not None
+        token = self.links.unsubscribe_token(delivery.account_id, delivery.subscriber_id, content.campaign_id)
+        unsubscribe_url = self.links.unsubscribe_url(token)
         context: dict[str, Any] = {
             "email": delivery.email,
             "name": delivery.name or "",
@@ -188,7 +236,15 @@ class Composer:
                 "attributes": delivery.attributes or {},
             },
             "campaign": {"id": content.campaign_id, "name": content.name},
+            "unsubscribe_url": unsubscribe_url,
         }
+        text = content.text.render(context)
+        html = content.html.render(context) if content.html is not None else None
+        if not content.uses_unsubscribe_url:
+            # Every campaign message shows how to unsubscribe, in both bodies.
+            text += _footer_text(unsubscribe_url)
+            if html is not None:
+                html = _footer_html(html, unsubscribe_url)
         return OutgoingMessage(
             job_id=delivery.job_id,
             envelope_from=content.envelope_from,
@@ -197,10 +253,17 @@ class Composer:
             from_header=content.from_header,
             to_header=format_address(delivery.name, recipient),
             subject=content.subject.render(context),
-            text=content.text.render(context),
-            html=content.html.render(context) if content.html is not None else None,
+            text=text,
+            html=html,
             message_id=message_id(delivery.job_id, content.domain),
             date=self._date.now(),
-            headers=[(JOB_ID_HEADER, delivery.job_id)],
+            headers=[
+                (JOB_ID_HEADER, delivery.job_id),
+                # RFC 2369 and RFC 8058: a one-click unsubscribe that mailbox providers can show
+                ("List-Unsubscribe", self.links.list_unsubscribe(token, content.domain)),
+                ("List-Unsubscribe-Post", "List-Unsubscribe=One-Click"),
+                # lets the provider's complaint feedback loop attribute complaints to this campaign
+                ("Feedback-ID", f"{content.campaign_id}:{content.account_id}:campaign:sendonce"),
+            ],
             boundary=content.boundary,
         )

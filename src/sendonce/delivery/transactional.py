@@ -8,7 +8,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from sendonce.delivery.compose import ComposeError, Composer, Sender, TransactionalComposer, wire_address
+from sendonce.delivery.compose import ComposeError, Composer, Links, Sender, TransactionalComposer, wire_address
 from sendonce.domain.jobs import JOB_ID_HEADER, message_id
 from sendonce.domain.keys import SIGNUP_EVENT
 from sendonce.domain.message import OutgoingMessage, format_address
@@ -105,5 +105,5 @@ TRANSACTIONAL: dict[str, TransactionalComposer] = {
 }
 
 
-def default_composer() -> Composer:
-    return Composer(TRANSACTIONAL)
+def default_composer(links: Links) -> Composer:
+    return Composer(TRANSACTIONAL, links=links)

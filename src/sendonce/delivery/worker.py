@@ -166,14 +166,14 @@ class Worker:
         transport: Transport,
         config: WorkerConfig | None = None,
         *,
-        composer: Composer | None = None,
+        composer: Composer,
         faults: Faults = NO_FAULTS,
     ) -> None:
         self.url = database_url
         self.transport = transport
         self.config = config or WorkerConfig()
         self.name = self.config.name or default_worker_name()
-        self.composer = composer or Composer()
+        self.composer = composer
         self.faults = faults
         self.stats = WorkerStats()
         self._held: dict[Key, Held] = {}

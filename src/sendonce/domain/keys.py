@@ -14,7 +14,7 @@ import hmac
 from dataclasses import dataclass
 from typing import Any
 
-from itsdangerous import BadSignature, SignatureExpired, URLSafeTimedSerializer
+from itsdangerous import BadSignature, SignatureExpired, URLSafeSerializer, URLSafeTimedSerializer
 
 SIGNUP_EVENT = "signup_verification_requested"
 
@@ -55,6 +55,24 @@ class KeyRing:
         # itsdangerous signs with the last key and accepts any of them.
         keys = [self.previous, self.current] if self.previous else [self.current]
         return URLSafeTimedSerializer(keys, salt=f"sendonce.{purpose}")
+
+    def _stable(self, purpose: str) -> URLSafeSerializer:
+        keys = [self.previous, self.current] if self.previous else [self.current]
+        return URLSafeSerializer(keys, salt=f"sendonce.{purpose}")
+
+    def sign_stable(self, purpose: str, payload: dict[str, Any]) -> str:
+        """A signed token without a timestamp: the same payload always gives the same token (so a
+        re-sent message is identical), and it never expires (unsubscribe links must keep working)."""
+        return str(self._stable(purpose).dumps(payload))
+
+    def verify_stable(self, purpose: str, token: str) -> dict[str, Any]:
+        try:
+            payload = self._stable(purpose).loads(token)
+        except BadSignature:
+            raise InvalidToken("the link is not valid") from None
+        if not isinstance(payload, dict):
+            raise InvalidToken("the link is not valid")
+        return payload
 
     def sign(self, purpose: str, payload: dict[str, Any]) -> str:
         return str(self._serializer(purpose).dumps(payload))

@@ -177,8 +177,11 @@ SELECT account_id, campaign_id, build_cursor
 -- build_chunk --
 -- Add the next chunk of recipients (by subscriber_id) to a campaign, in the same transaction as
 -- the lock above, and move the build cursor. ON CONFLICT DO NOTHING makes a rebuild after a crash
--- create nothing twice; DISTINCT ON (email_key) gives one message to an address however many
--- subscriber rows or lists lead to it.
+-- create nothing twice. An address in several lists is one subscriber row (the EXISTS collapses the
+-- lists), and subscribers are unique by email_key, so DISTINCT ON (email_key) changes nothing today:
+-- it is the seed's defence in depth, kept so that this statement alone, whatever the schema around
+-- it, never sends one address two messages (the unique index deliveries_one_per_address is the last
+-- line behind it).
 WITH chunk AS (
     -- confirmed subscribers with a confirmed membership in one of the campaign's lists, not suppressed
     SELECT s.account_id, s.subscriber_id, s.email, s.email_key
@@ -639,3 +642,36 @@ SELECT alert_id, kind, subject, detail, created_at
  WHERE account_id = %(account_id)s
  ORDER BY alert_id DESC
  LIMIT %(limit)s;
+
+-- unsubscribe_campaign_lists --
+-- One-click unsubscribe: the subscriber leaves the lists the campaign went to, in the transaction that
+-- answers, so a campaign still sending skips them from its next claimed batch on (the claim re-checks
+-- memberships). Idempotent: nothing is left to change the second time.
+UPDATE sendonce.list_members m
+   SET status = 'unsubscribed', updated_at = now()
+  FROM sendonce.campaign_lists cl
+ WHERE cl.account_id = %(account_id)s AND cl.campaign_id = %(campaign_id)s
+   AND m.account_id = cl.account_id AND m.list_id = cl.list_id AND m.subscriber_id = %(subscriber_id)s
+   AND m.status <> 'unsubscribed'
+RETURNING m.list_id;
+
+-- resubscribe_campaign_lists --
+-- Undo an unsubscribe from those lists (the person asked for it on the unsubscribe page).
+UPDATE sendonce.list_members m
+   SET status = 'confirmed', updated_at = now()
+  FROM sendonce.campaign_lists cl
+ WHERE cl.account_id = %(account_id)s AND cl.campaign_id = %(campaign_id)s
+   AND m.account_id = cl.account_id AND m.list_id = cl.list_id AND m.subscriber_id = %(subscriber_id)s
+   AND m.status = 'unsubscribed'
+RETURNING m.list_id;
+
+-- subscription_state --
+-- What the unsubscribe page shows: the account, the campaign's lists and this subscriber's membership.
+SELECT a.name AS account_name, l.list_id, l.name AS list_name, m.status
+  FROM sendonce.campaign_lists cl
+  JOIN sendonce.lists l ON l.account_id = cl.account_id AND l.list_id = cl.list_id
+  JOIN sendonce.accounts a ON a.account_id = cl.account_id
+  LEFT JOIN sendonce.list_members m
+    ON m.account_id = cl.account_id AND m.list_id = cl.list_id AND m.subscriber_id = %(subscriber_id)s
+ WHERE cl.account_id = %(account_id)s AND cl.campaign_id = %(campaign_id)s
+ ORDER BY l.list_id;

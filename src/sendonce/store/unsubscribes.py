@@ -1,0 +1,28 @@
+"""Unsubscribing from what a campaign was sent to, and the way back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sendonce.store.database import Conn
+from sendonce.store.queries import query
+
+
+async def unsubscribe(conn: Conn, account_id: int, subscriber_id: int, campaign_id: int) -> list[int]:
+    """Leave the campaign's lists; returns the lists left now (empty when already done)."""
+    params = {"account_id": account_id, "subscriber_id": subscriber_id, "campaign_id": campaign_id}
+    return [
+        int(r["list_id"]) for r in await (await conn.execute(query("unsubscribe_campaign_lists"), params)).fetchall()
+    ]
+
+
+async def resubscribe(conn: Conn, account_id: int, subscriber_id: int, campaign_id: int) -> list[int]:
+    params = {"account_id": account_id, "subscriber_id": subscriber_id, "campaign_id": campaign_id}
+    return [
+        int(r["list_id"]) for r in await (await conn.execute(query("resubscribe_campaign_lists"), params)).fetchall()
+    ]
+
+
+async def state(conn: Conn, account_id: int, subscriber_id: int, campaign_id: int) -> list[dict[str, Any]]:
+    params = {"account_id": account_id, "subscriber_id": subscriber_id, "campaign_id": campaign_id}
+    return list(await (await conn.execute(query("subscription_state"), params)).fetchall())
