@@ -134,14 +134,22 @@ def worker(
 ) -> None:
     """Claim, send and record mail until stopped (SIGTERM: graceful)."""
     from sendonce.delivery.worker import WorkerConfig, run_until_signalled
-    from sendonce.runtime import build_worker
+    from sendonce.runtime import build_worker, feedback_policy
 
     settings = _settings()
     url = _database_url(settings)
     try:
         if upgrade_schema:
             _upgrade(url)
-        config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, tick=tick, lease=lease, drain=drain)
+        config = WorkerConfig(
+            concurrency=concurrency,
+            batch_size=batch_size,
+            tick=tick,
+            lease=lease,
+            drain=drain,
+            feedback=feedback_policy(settings),
+            alert_webhook_url=settings.alert_webhook_url,
+        )
         built = build_worker(settings, config, url=url)
     except (SendonceError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")

@@ -6,6 +6,8 @@ import logging
 import os
 import secrets
 
+from pydantic import SecretStr
+
 from sendonce.delivery.compose import Composer, Links
 from sendonce.delivery.transactional import default_composer
 from sendonce.delivery.worker import Worker, WorkerConfig
@@ -14,8 +16,10 @@ from sendonce.errors import ConfigurationError
 from sendonce.faults import Faults
 from sendonce.settings import Settings
 from sendonce.store.database import resolve_database_url
+from sendonce.store.feedback import FeedbackPolicy
 from sendonce.transports.base import Transport
 from sendonce.transports.registry import transport_from_url
+from sendonce.webhooks import WebhookConfig
 
 logger = logging.getLogger(__name__)
 
@@ -74,3 +78,27 @@ def keyring(settings: Settings) -> KeyRing:
         return KeyRing(current, previous or None)
     except ValueError as exc:
         raise ConfigurationError(f"SENDONCE_SECRET: {exc}") from None
+
+
+def feedback_policy(settings: Settings) -> FeedbackPolicy:
+    return FeedbackPolicy(
+        max_bounce_rate=settings.max_bounce_rate,
+        max_complaint_rate=settings.max_complaint_rate,
+        min_sample=settings.feedback_min_sample,
+        soft_bounce_limit=settings.soft_bounce_limit,
+        soft_bounce_period=settings.soft_bounce_period,
+    )
+
+
+def webhook_config(settings: Settings) -> WebhookConfig:
+    def secret(value: SecretStr | None) -> str | None:
+        return value.get_secret_value() if value is not None and value.get_secret_value() else None
+
+    topics = frozenset(t.strip() for t in (settings.sns_topic_arns or "").split(",") if t.strip())
+    return WebhookConfig(
+        resend_secret=secret(settings.resend_webhook_secret),
+        sendgrid_public_key=settings.sendgrid_webhook_key or None,
+        postmark_token=secret(settings.postmark_webhook_token),
+        generic_secret=secret(settings.webhook_secret),
+        sns_topic_arns=topics,
+    )

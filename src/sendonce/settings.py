@@ -63,6 +63,28 @@ class Settings(BaseSettings):
     trust_forwarded_for: bool = False
     """Take the client address from X-Forwarded-For (only behind a proxy you control)."""
 
+    # bounces, complaints and their webhooks
+    max_bounce_rate: float = Field(default=0.05, ge=0, le=1)
+    """A sending campaign whose hard-bounce rate passes this is paused (per-campaign override)."""
+    max_complaint_rate: float = Field(default=0.003, ge=0, le=1)
+    feedback_min_sample: int = Field(default=100, ge=1)
+    """Campaign rates are judged only after this many attempted messages."""
+    soft_bounce_limit: int = Field(default=3, ge=1)
+    """Soft bounces within soft_bounce_period that suppress an address."""
+    soft_bounce_period: Duration = Field(default=timedelta(days=30))
+    webhook_secret: SecretStr | None = None
+    """Generic webhook format: HMAC key of the Sendonce-Signature header."""
+    resend_webhook_secret: SecretStr | None = None
+    """Resend (svix) signing secret, whsec_..."""
+    sendgrid_webhook_key: str | None = None
+    """SendGrid Event Webhook verification key (public, ECDSA)."""
+    postmark_webhook_token: SecretStr | None = None
+    """Shared secret Postmark sends as the Basic auth password of the webhook URL."""
+    sns_topic_arns: str | None = None
+    """Comma-separated SNS topics whose SES notifications are accepted (required for ses)."""
+    sns_auto_confirm: bool = True
+    """Confirm SNS subscriptions to those topics automatically."""
+
 
 def load_settings(**overrides: Any) -> Settings:
     try:

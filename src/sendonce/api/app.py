@@ -26,11 +26,12 @@ from sendonce.api.routes import (
     subscribers,
     suppressions,
     unsubscribe,
+    webhooks,
 )
 from sendonce.api.services import Services
 from sendonce.errors import ConfigurationError
 from sendonce.faults import Faults
-from sendonce.runtime import keyring
+from sendonce.runtime import feedback_policy, keyring, webhook_config
 from sendonce.settings import Settings, load_settings
 from sendonce.store.database import create_pool, resolve_database_url
 from sendonce.store.rate_limits import Rate
@@ -81,6 +82,8 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
         if settings.abuse_detector
         else None,
         faults=Faults.from_env(),
+        feedback=feedback_policy(settings),
+        webhook_config=webhook_config(settings),
     )
     problems.install(app)
 
@@ -88,7 +91,18 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
         return settings.max_import_bytes if path.endswith("/import") else settings.max_body_bytes
 
     app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
-    for module in (accounts, account, lists, subscribers, campaigns, suppressions, signups, outbox, unsubscribe):
+    for module in (
+        accounts,
+        account,
+        lists,
+        subscribers,
+        campaigns,
+        suppressions,
+        signups,
+        outbox,
+        unsubscribe,
+        webhooks,
+    ):
         app.include_router(module.router)
 
     @app.get("/metrics", include_in_schema=False)

@@ -7,17 +7,19 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from fastapi import Request
 
 from sendonce.api.abuse import AbuseDetector, Flag
 from sendonce.api.metrics import ApiMetrics
 from sendonce.domain.keys import KeyRing
 from sendonce.faults import Faults
+from sendonce.notify import post_alert
 from sendonce.settings import Settings
 from sendonce.store import alerts
 from sendonce.store.database import Conn
+from sendonce.store.feedback import FeedbackPolicy
 from sendonce.store.signups import SignupLimits
+from sendonce.webhooks import WebhookConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,8 @@ class Services:
     metrics: ApiMetrics
     detector: AbuseDetector | None
     faults: Faults = field(default_factory=Faults)
+    feedback: FeedbackPolicy = field(default_factory=FeedbackPolicy)
+    webhook_config: WebhookConfig = field(default_factory=WebhookConfig)
     _webhook_tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def client_address(self, request: Request) -> str:
@@ -60,19 +64,15 @@ class Services:
                 flag.detail,
                 extra={"action": "alert", "account_id": flag.account_id},
             )
-            if self.settings.alert_webhook_url:
-                task = asyncio.create_task(self._post(self.settings.alert_webhook_url, flag.account_id, alert))
-                self._webhook_tasks.add(task)
-                task.add_done_callback(self._webhook_tasks.discard)
+            self.notify(flag.account_id, alert)
 
-    async def _post(self, url: str, account_id: int, alert: dict[str, Any]) -> None:
-        body = {"account_id": account_id, **alert, "created_at": alert["created_at"].isoformat()}
-        try:
-            async with httpx.AsyncClient(timeout=5.0) as client:
-                response = await client.post(url, json=body)
-                response.raise_for_status()
-        except httpx.HTTPError as exc:
-            logger.warning("alert webhook %s failed: %s", url, exc)
+    def notify(self, account_id: int, alert: dict[str, Any]) -> None:
+        """Post an alert to the webhook, if one is configured, without holding up the request."""
+        if not self.settings.alert_webhook_url:
+            return
+        task = asyncio.create_task(post_alert(self.settings.alert_webhook_url, account_id, alert))
+        self._webhook_tasks.add(task)
+        task.add_done_callback(self._webhook_tasks.discard)
 
 
 def services_of(request: Request) -> Services:

@@ -28,6 +28,7 @@ import os
 import random
 import signal
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -37,8 +38,10 @@ import psycopg
 
 from sendonce.delivery.compose import ComposeError, Composer
 from sendonce.faults import NO_FAULTS, Faults
-from sendonce.store import outbox
+from sendonce.notify import post_alert
+from sendonce.store import feedback, outbox
 from sendonce.store.database import Conn, connect, is_unavailable
+from sendonce.store.feedback import FeedbackPolicy
 from sendonce.store.outbox import ClaimedDelivery, FailedRecord, Fenced, Key, RetryRecord, SentRecord
 from sendonce.transports.base import Accepted, Channel, Outcome, Permanent, Retry, Transport
 
@@ -70,6 +73,9 @@ class WorkerConfig:
     send_timeout: float = 30.0
     db_timeout: float = 0.0
     """Longest wait for one database call before the connection is abandoned (0: max(lease, 5s))."""
+    feedback: FeedbackPolicy = field(default_factory=FeedbackPolicy)
+    """Campaign bounce and complaint limits."""
+    alert_webhook_url: str | None = None
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -187,6 +193,8 @@ class Worker:
         self._stopped = asyncio.Event()
         self._idempotent = transport.capabilities.idempotent
         self._crash: BaseException | None = None
+        self._checked: dict[tuple[int, int], float] = {}
+        self._background: set[asyncio.Task[None]] = set()
 
     # -- control -------------------------------------------------------------------------------
 
@@ -517,9 +525,12 @@ class Worker:
 
         recorded_sent = await outbox.record_sent(conn, sent)
         recorded_retry = await outbox.record_retry(conn, retry)
-        recorded_failed = await outbox.record_failed(conn, failed)
+        failed_outcome = await outbox.record_failed(conn, failed)
+        recorded_failed = failed_outcome.recorded
         released = await outbox.release_claims(conn, release)
         self.faults.hit("after_record")
+        for account_id, campaign_id in failed_outcome.bounced_campaigns:
+            await self._check_campaign(conn, account_id, campaign_id)
 
         self.stats.released += released
         for key, result in by_key.items():
@@ -558,6 +569,26 @@ class Worker:
                     extra={"action": "failed", **extra},
                 )
         return True
+
+    async def _check_campaign(self, conn: Conn, account_id: int, campaign_id: int) -> None:
+        """After hard bounces: pause the campaign if its bounce rate is over its limit (at most once a second)."""
+        now = time.monotonic()
+        if now - self._checked.get((account_id, campaign_id), 0.0) < 1.0:
+            return
+        self._checked[(account_id, campaign_id)] = now
+        alert = await feedback.check_campaign(conn, account_id, campaign_id, self.config.feedback)
+        if alert is None:
+            return
+        logger.warning(
+            "campaign %s paused: %s",
+            campaign_id,
+            alert["detail"]["reason"],
+            extra={"action": "campaign_paused", "account_id": account_id},
+        )
+        if self.config.alert_webhook_url:
+            task = asyncio.create_task(post_alert(self.config.alert_webhook_url, account_id, alert))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     # -- housekeeper ---------------------------------------------------------------------------
 

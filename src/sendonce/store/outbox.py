@@ -143,20 +143,34 @@ async def record_retry(conn: Conn, items: Sequence[RetryRecord]) -> set[Key]:
     return {(row["account_id"], row["delivery_id"]) for row in await cursor.fetchall()}
 
 
-async def record_failed(conn: Conn, items: Sequence[FailedRecord]) -> set[Key]:
+@dataclass(frozen=True, slots=True)
+class FailedOutcome:
+    recorded: set[Key]
+    bounced_campaigns: set[tuple[int, int]]
+    """(account_id, campaign_id) of campaigns that got a hard bounce: their bounce rate may be over."""
+
+
+async def record_failed(conn: Conn, items: Sequence[FailedRecord]) -> FailedOutcome:
     """Mark permanent failures; hard bounces also suppress their address, in the same transaction."""
     if not items:
-        return set()
+        return FailedOutcome(set(), set())
     bounced = {(item.account_id, item.delivery_id) for item in items if item.hard_bounce}
+    campaigns: set[tuple[int, int]] = set()
     async with conn.transaction():
         cursor = await conn.execute(
-            query("record_failed"), _columns(items, "account_id", "delivery_id", "attempt", "error")
+            query("record_failed"),
+            {
+                **_columns(items, "account_id", "delivery_id", "attempt", "error"),
+                "hard_bounces": [item.hard_bounce for item in items],
+            },
         )
         rows = await cursor.fetchall()
         by_account: dict[int, list[tuple[str, str]]] = {}
         for row in rows:
             if (row["account_id"], row["delivery_id"]) in bounced:
                 by_account.setdefault(row["account_id"], []).append((row["email_key"], row["email"]))
+                if row["campaign_id"] is not None:
+                    campaigns.add((row["account_id"], row["campaign_id"]))
         for account_id, pairs in by_account.items():
             await conn.execute(
                 query("suppress_bounced"),
@@ -166,7 +180,7 @@ async def record_failed(conn: Conn, items: Sequence[FailedRecord]) -> set[Key]:
                     "emails": [p[1] for p in pairs],
                 },
             )
-    return {(row["account_id"], row["delivery_id"]) for row in rows}
+    return FailedOutcome({(row["account_id"], row["delivery_id"]) for row in rows}, campaigns)
 
 
 async def release_claims(conn: Conn, items: Sequence[Fenced]) -> int:

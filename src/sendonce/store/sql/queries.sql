@@ -379,15 +379,18 @@ UPDATE sendonce.deliveries d
 RETURNING d.account_id, d.delivery_id;
 
 -- record_failed --
--- Permanent failures, fenced.
+-- Permanent failures, fenced. A hard bounce (the receiving server refused the recipient) is also
+-- recorded as the delivery's feedback, for the campaign's bounce rate.
 UPDATE sendonce.deliveries d
-   SET status = 'failed', last_error = u.error, lease_expires_at = NULL, updated_at = now()
+   SET status = 'failed', last_error = u.error, lease_expires_at = NULL, updated_at = now(),
+       feedback = CASE WHEN u.hard_bounce THEN 'hard_bounce' ELSE d.feedback END,
+       feedback_at = CASE WHEN u.hard_bounce THEN now() ELSE d.feedback_at END
   FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[],
-              %(errors)s::text[])
-       AS u(account_id, delivery_id, attempt, error)
+              %(errors)s::text[], %(hard_bounces)s::bool[])
+       AS u(account_id, delivery_id, attempt, error, hard_bounce)
  WHERE d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
    AND d.status IN ('sending', 'queued')
-RETURNING d.account_id, d.delivery_id, d.email_key, d.email, d.subscriber_id;
+RETURNING d.account_id, d.delivery_id, d.email_key, d.email, d.subscriber_id, d.campaign_id;
 
 -- release_claims --
 -- Give back rows this worker claimed but never started (shutdown, pause, deadline passed), fenced.
@@ -675,3 +678,73 @@ SELECT a.name AS account_name, l.list_id, l.name AS list_name, m.status
     ON m.account_id = cl.account_id AND m.list_id = cl.list_id AND m.subscriber_id = %(subscriber_id)s
  WHERE cl.account_id = %(account_id)s AND cl.campaign_id = %(campaign_id)s
  ORDER BY l.list_id;
+
+-- find_delivery_by_job_id --
+-- The delivery a provider event names by our job id (unique across accounts by construction).
+SELECT account_id, delivery_id, campaign_id, email, email_key
+  FROM sendonce.deliveries
+ WHERE job_id = %(job_id)s
+ LIMIT 2;
+
+-- find_delivery_by_message_id --
+-- The delivery a provider event names by the provider's own message id.
+SELECT account_id, delivery_id, campaign_id, email, email_key
+  FROM sendonce.deliveries
+ WHERE transport_message_id = %(message_id)s
+ LIMIT 2;
+
+-- insert_feedback_event --
+-- Record a provider event once: a row back means it is new and its effects must be applied.
+INSERT INTO sendonce.feedback_events
+       (account_id, provider, event_id, kind, email, email_key, job_id, delivery_id, occurred_at, detail)
+VALUES (%(account_id)s, %(provider)s, %(event_id)s, %(kind)s, %(email)s, %(email_key)s, %(job_id)s,
+        %(delivery_id)s, %(occurred_at)s, %(detail)s)
+ON CONFLICT (account_id, provider, event_id) DO NOTHING
+RETURNING received_at;
+
+-- set_delivery_feedback --
+-- What the recipient's side said about a delivery; a complaint outranks a bounce, a hard bounce a soft one.
+UPDATE sendonce.deliveries
+   SET feedback = CASE
+           WHEN feedback = 'complaint' OR %(kind)s = 'complaint' THEN 'complaint'
+           WHEN feedback = 'hard_bounce' OR %(kind)s = 'hard_bounce' THEN 'hard_bounce'
+           ELSE 'soft_bounce' END,
+       feedback_at = now()
+ WHERE account_id = %(account_id)s AND delivery_id = %(delivery_id)s;
+
+-- count_soft_bounces --
+-- Soft bounces of an address within a period.
+SELECT count(*) AS n
+  FROM sendonce.feedback_events
+ WHERE account_id = %(account_id)s AND email_key = %(email_key)s AND kind = 'soft_bounce'
+   AND received_at > now() - %(period)s::interval;
+
+-- set_subscriber_status_for_feedback --
+-- A bounced address is 'bounced', a complaining one 'unsubscribed'; an earlier such status stays.
+UPDATE sendonce.subscribers
+   SET status = %(status)s, updated_at = now()
+ WHERE account_id = %(account_id)s AND email_key = %(email_key)s AND status IN ('pending', 'confirmed');
+
+-- campaign_feedback --
+-- A campaign's bounce and complaint counts against what it attempted, with its limits.
+SELECT c.status,
+       coalesce(c.max_bounce_rate, %(default_bounce_rate)s) AS max_bounce_rate,
+       coalesce(c.max_complaint_rate, %(default_complaint_rate)s) AS max_complaint_rate,
+       (SELECT count(*) FROM sendonce.deliveries d
+         WHERE d.account_id = c.account_id AND d.campaign_id = c.campaign_id
+           AND d.status IN ('sent', 'failed')) AS attempted,
+       (SELECT count(*) FROM sendonce.deliveries d
+         WHERE d.account_id = c.account_id AND d.campaign_id = c.campaign_id
+           AND d.feedback = 'hard_bounce') AS bounces,
+       (SELECT count(*) FROM sendonce.deliveries d
+         WHERE d.account_id = c.account_id AND d.campaign_id = c.campaign_id
+           AND d.feedback = 'complaint') AS complaints
+  FROM sendonce.campaigns c
+ WHERE c.account_id = %(account_id)s AND c.campaign_id = %(campaign_id)s;
+
+-- pause_campaign_for_feedback --
+-- CAS sending -> paused because its bounce or complaint rate passed its limit.
+UPDATE sendonce.campaigns
+   SET status = 'paused', paused_reason = %(reason)s, updated_at = now()
+ WHERE account_id = %(account_id)s AND campaign_id = %(campaign_id)s AND status = 'sending'
+RETURNING campaign_id;

@@ -1,0 +1,174 @@
+"""What the receiving side says: bounces and complaints, and the campaign limits they trip.
+
+* a hard bounce suppresses the address (reason ``bounce``) and marks the subscriber bounced;
+* a complaint suppresses at once (reason ``complaint``) and unsubscribes the subscriber;
+* soft bounces are counted; ``soft_bounce_limit`` of them within ``soft_bounce_period`` suppress;
+* a sending campaign whose bounce or complaint rate passes its limit is paused (CAS) and an alert
+  raised, once it has attempted at least ``min_sample`` messages.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from psycopg.types.json import Jsonb
+
+from sendonce.domain.addresses import InvalidAddress, parse_address
+from sendonce.domain.states import SuppressionReason
+from sendonce.store import alerts
+from sendonce.store.database import Conn
+from sendonce.store.queries import query
+from sendonce.webhooks import FeedbackEvent
+
+SUPPRESSING = {"hard_bounce": SuppressionReason.BOUNCE, "complaint": SuppressionReason.COMPLAINT}
+
+
+@dataclass(frozen=True, slots=True)
+class FeedbackPolicy:
+    max_bounce_rate: float = 0.05
+    max_complaint_rate: float = 0.003
+    min_sample: int = 100
+    soft_bounce_limit: int = 3
+    soft_bounce_period: timedelta = timedelta(days=30)
+
+
+@dataclass(frozen=True, slots=True)
+class Ingested:
+    new: bool
+    """False: seen before (a provider retry), or not attributable to any account."""
+    account_id: int | None
+    campaign_id: int | None
+    suppressed: bool
+
+
+async def _one(conn: Conn, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
+    return await (await conn.execute(query(name), params)).fetchone()
+
+
+async def _link(conn: Conn, event: FeedbackEvent) -> dict[str, Any] | None:
+    if event.job_id:
+        row = await _one(conn, "find_delivery_by_job_id", {"job_id": event.job_id})
+        if row is not None:
+            return row
+    if event.provider_message_id:
+        # SendGrid reports "<X-Message-Id>.filter...": the part before the first dot is the id
+        for candidate in dict.fromkeys([event.provider_message_id, event.provider_message_id.split(".")[0]]):
+            row = await _one(conn, "find_delivery_by_message_id", {"message_id": candidate})
+            if row is not None:
+                return row
+    return None
+
+
+async def ingest(
+    conn: Conn, event: FeedbackEvent, policy: FeedbackPolicy, *, account_id: int | None = None
+) -> Ingested:
+    """Record one provider event, once, and apply its effects in the same transaction.
+
+    The event is linked to its delivery by job id, then by the provider's message id; ``account_id``
+    attributes events that carry neither (the webhook URL's ``?account=``).
+    """
+    delivery = await _link(conn, event)
+    owner = delivery["account_id"] if delivery is not None else account_id
+    if owner is None:
+        return Ingested(False, None, None, False)
+    email = event.email or (delivery["email"] if delivery is not None else None)
+    email_key: str | None = None
+    if email:
+        try:
+            email_key = parse_address(email).key
+        except InvalidAddress:
+            email_key = None
+    suppressed = False
+    async with conn.transaction():
+        inserted = await _one(
+            conn,
+            "insert_feedback_event",
+            {
+                "account_id": owner,
+                "provider": event.provider,
+                "event_id": event.event_id,
+                "kind": event.kind,
+                "email": email,
+                "email_key": email_key,
+                "job_id": event.job_id,
+                "delivery_id": delivery["delivery_id"] if delivery is not None else None,
+                "occurred_at": event.occurred_at,
+                "detail": Jsonb(event.detail),
+            },
+        )
+        if inserted is None:
+            return Ingested(False, owner, delivery["campaign_id"] if delivery else None, False)
+        reason = SUPPRESSING.get(event.kind)
+        if event.kind == "soft_bounce" and email_key:
+            count = await _one(
+                conn,
+                "count_soft_bounces",
+                {"account_id": owner, "email_key": email_key, "period": policy.soft_bounce_period},
+            )
+            if count and count["n"] >= policy.soft_bounce_limit:
+                reason = SuppressionReason.BOUNCE
+        if reason is not None and email_key and email:
+            await conn.execute(
+                query("add_suppression"),
+                {"account_id": owner, "email_key": email_key, "email": email, "reason": reason.value},
+            )
+            await conn.execute(
+                query("set_subscriber_status_for_feedback"),
+                {
+                    "account_id": owner,
+                    "email_key": email_key,
+                    "status": "unsubscribed" if reason is SuppressionReason.COMPLAINT else "bounced",
+                },
+            )
+            suppressed = True
+        if delivery is not None and event.kind in ("hard_bounce", "soft_bounce", "complaint"):
+            await conn.execute(
+                query("set_delivery_feedback"),
+                {"account_id": owner, "delivery_id": delivery["delivery_id"], "kind": event.kind},
+            )
+    return Ingested(True, owner, delivery["campaign_id"] if delivery is not None else None, suppressed)
+
+
+async def check_campaign(
+    conn: Conn, account_id: int, campaign_id: int, policy: FeedbackPolicy
+) -> dict[str, Any] | None:
+    """Pause a sending campaign whose bounce or complaint rate is over its limit; returns the new alert."""
+    row = await _one(
+        conn,
+        "campaign_feedback",
+        {
+            "account_id": account_id,
+            "campaign_id": campaign_id,
+            "default_bounce_rate": policy.max_bounce_rate,
+            "default_complaint_rate": policy.max_complaint_rate,
+        },
+    )
+    if row is None or row["status"] != "sending" or row["attempted"] < policy.min_sample:
+        return None
+    attempted = int(row["attempted"])
+    bounce_rate = row["bounces"] / attempted
+    complaint_rate = row["complaints"] / attempted
+    if bounce_rate > row["max_bounce_rate"]:
+        reason = f"bounce rate {bounce_rate:.1%} is over its limit of {row['max_bounce_rate']:.1%}"
+    elif complaint_rate > row["max_complaint_rate"]:
+        reason = f"complaint rate {complaint_rate:.2%} is over its limit of {row['max_complaint_rate']:.2%}"
+    else:
+        return None
+    paused = await _one(
+        conn, "pause_campaign_for_feedback", {"account_id": account_id, "campaign_id": campaign_id, "reason": reason}
+    )
+    if paused is None:  # someone else paused (or finished) it first
+        return None
+    detail = {
+        "campaign_id": campaign_id,
+        "reason": reason,
+        "attempted": attempted,
+        "bounces": row["bounces"],
+        "complaints": row["complaints"],
+    }
+    return await alerts.raise_alert(
+        conn, account_id, "campaign_paused", f"campaign:{campaign_id}", str(time.time_ns()), detail
+    )
