@@ -110,6 +110,8 @@ class Held:
     release: bool = False
     """Its campaign was paused or cancelled: give it back unless already started."""
     started: bool = False
+    done: bool = False
+    """Its outcome is with the recorder: a renewal that no longer finds it is not a lost lease."""
 
     @property
     def fenced(self) -> Fenced:
@@ -193,7 +195,9 @@ class Worker:
         self._stopped = asyncio.Event()
         self._idempotent = transport.capabilities.idempotent
         self._crash: BaseException | None = None
-        self._checked: dict[tuple[int, int], float] = {}
+        self._dirty_campaigns: set[tuple[int, int]] = set()
+        self._last_check: dict[tuple[int, int], float] = {}
+        self._check_interval = 0.2
         self._background: set[asyncio.Task[None]] = set()
 
     # -- control -------------------------------------------------------------------------------
@@ -299,6 +303,8 @@ class Worker:
             )
         if started:
             self._build_wanted.set()
+        if self._dirty_campaigns:
+            await self._check_campaigns(conn, force=True)
         expired = await outbox.requeue_expired(conn)
         for row in expired:
             logger.info(
@@ -441,6 +447,7 @@ class Worker:
             await result.recorded.wait()
 
     def _push(self, result: _Result) -> None:
+        result.held.done = True
         self._results.append(result)
         self._record_wanted.set()
 
@@ -529,8 +536,8 @@ class Worker:
         recorded_failed = failed_outcome.recorded
         released = await outbox.release_claims(conn, release)
         self.faults.hit("after_record")
-        for account_id, campaign_id in failed_outcome.bounced_campaigns:
-            await self._check_campaign(conn, account_id, campaign_id)
+        self._dirty_campaigns |= failed_outcome.bounced_campaigns
+        await self._check_campaigns(conn)
 
         self.stats.released += released
         for key, result in by_key.items():
@@ -570,25 +577,33 @@ class Worker:
                 )
         return True
 
-    async def _check_campaign(self, conn: Conn, account_id: int, campaign_id: int) -> None:
-        """After hard bounces: pause the campaign if its bounce rate is over its limit (at most once a second)."""
+    async def _check_campaigns(self, conn: Conn, *, force: bool = False) -> None:
+        """Pause campaigns whose bounce rate went over their limit.
+
+        Only campaigns that had hard bounces since their last check are checked, and not more often
+        than ten times the duration of the last check (the count reads the whole campaign); ``force``
+        (when the worker is idle, before campaigns are finished) checks every pending one.
+        """
         now = time.monotonic()
-        if now - self._checked.get((account_id, campaign_id), 0.0) < 1.0:
-            return
-        self._checked[(account_id, campaign_id)] = now
-        alert = await feedback.check_campaign(conn, account_id, campaign_id, self.config.feedback)
-        if alert is None:
-            return
-        logger.warning(
-            "campaign %s paused: %s",
-            campaign_id,
-            alert["detail"]["reason"],
-            extra={"action": "campaign_paused", "account_id": account_id},
-        )
-        if self.config.alert_webhook_url:
-            task = asyncio.create_task(post_alert(self.config.alert_webhook_url, account_id, alert))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        for key in list(self._dirty_campaigns):
+            if not force and now - self._last_check.get(key, -1e9) < self._check_interval:
+                continue
+            self._dirty_campaigns.discard(key)
+            self._last_check[key] = started = time.monotonic()
+            alert = await feedback.check_campaign(conn, key[0], key[1], self.config.feedback)
+            self._check_interval = max(0.2, 10 * (time.monotonic() - started))
+            if alert is None:
+                continue
+            logger.warning(
+                "campaign %s paused: %s",
+                key[1],
+                alert["detail"]["reason"],
+                extra={"action": "campaign_paused", "account_id": key[0]},
+            )
+            if self.config.alert_webhook_url:
+                task = asyncio.create_task(post_alert(self.config.alert_webhook_url, key[0], alert))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     # -- housekeeper ---------------------------------------------------------------------------
 
@@ -615,6 +630,8 @@ class Worker:
         for h in held:
             key = h.delivery.key
             if key not in owned:
+                if h.done:
+                    continue  # recorded (or being recorded) meanwhile: not ours to renew any more, rightly
                 if not h.revoked:
                     self.stats.lost_leases += 1
                     logger.warning(

@@ -18,11 +18,17 @@ CRLF = "\r\n"
 
 
 def encode_header_value(value: str, name: str) -> str:
-    """A header value safe for the wire: RFC 2047 encoded words when needed, folded at 78."""
-    if value.isascii() and len(value) + len(name) + 2 <= 78 and "\n" not in value and "\r" not in value:
-        return value
+    """A header value safe for the wire: RFC 2047 encoded words when needed, folded when long.
+
+    ASCII values are folded only between the items of a list (``a, b`` -> ``a,`` CRLF `` b``), never
+    inside one: a URL or an address stays whole, and the line limit that matters (998) holds.
+    """
     cleaned = value.replace("\r", " ").replace("\n", " ")
-    return Header(cleaned, "utf-8" if not cleaned.isascii() else "us-ascii", header_name=name).encode(linesep=CRLF)
+    if cleaned.isascii():
+        if len(cleaned) + len(name) + 2 <= 78 or ", " not in cleaned:
+            return cleaned
+        return ("," + CRLF + " ").join(cleaned.split(", "))
+    return Header(cleaned, "utf-8", header_name=name).encode(linesep=CRLF)
 
 
 def format_address(name: str | None, address: str) -> str:

@@ -1,0 +1,330 @@
+"""Deliverability and compliance, read back from a real SMTP inbox and over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from sendonce.delivery.compose import Links
+from sendonce.delivery.worker import Worker, WorkerConfig
+from sendonce.domain.keys import KeyRing
+from sendonce.store.database import connect
+from sendonce.store.feedback import FeedbackPolicy
+from sendonce.testing.inbox import Inbox, InboxFaults
+from sendonce.transports.registry import transport_from_url
+from tests.conftest import ApiServer
+from tests.helpers import PUBLIC_URL, TEST_SECRET, campaign_setup, campaign_status, composer, emails, run_to_drain
+from tests.unit.test_webhooks import CERT_URL, SNS_CERT, TOPIC, sns_notification, svix_headers
+
+ADMIN = {"Authorization": "Bearer test-admin-token"}
+DRAIN = WorkerConfig(tick=0.2, lease=5, drain=True, backoff_base=0.05)
+GENERIC_SECRET = "generic-webhook-secret"
+SVIX_SECRET = "whsec_" + base64.b64encode(b"resend-test-secret-key-32-bytes!").decode()
+LINKS = Links(KeyRing(TEST_SECRET.encode()), PUBLIC_URL)
+
+
+@pytest.fixture
+def api(database_url: str) -> Iterator[ApiServer]:
+    with ApiServer(
+        database_url,
+        public_url=PUBLIC_URL,
+        webhook_secret=GENERIC_SECRET,
+        resend_webhook_secret=SVIX_SECRET,
+        sns_topic_arns=TOPIC,
+        feedback_min_sample=1,
+    ) as server:
+        yield server
+
+
+@pytest.fixture
+def client(api: ApiServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=api.url, timeout=30) as c:
+        yield c
+
+
+def _one(url: str, sql: str, *params: Any) -> Any:
+    with psycopg.connect(url) as conn:
+        return conn.execute(sql, params).fetchone()  # type: ignore[arg-type]
+
+
+async def test_campaign_messages_carry_compliant_headers_and_a_visible_link(database_url: str, inbox: Inbox) -> None:
+    setup = await campaign_setup(
+        database_url, ["ann@example.test"], html="<html><body><p>Hi {{ email }}</p></body></html>"
+    )
+    await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN)
+    message = inbox.messages[0].parsed()
+    sid = _one(database_url, "SELECT subscriber_id FROM sendonce.subscribers")[0]
+    token = LINKS.unsubscribe_token(setup.account_id, sid, setup.campaign_id)  # type: ignore[arg-type]
+    assert message["List-Unsubscribe"] == (
+        f"<{PUBLIC_URL}/u/{token}>, <mailto:unsubscribe@sender.test?subject=unsubscribe%20{token}>"
+    )
+    assert message["List-Unsubscribe-Post"] == "List-Unsubscribe=One-Click"
+    assert message["Feedback-ID"] == f"{setup.campaign_id}:{setup.account_id}:campaign:sendonce"
+    assert message["Message-ID"] == f"<campaign.{setup.campaign_id}.{sid}@sender.test>"
+    assert message["MIME-Version"] == "1.0"
+    assert message["Date"].datetime is not None
+    text = message.get_body(("plain",)).get_content()
+    html = message.get_body(("html",)).get_content()
+    assert f"{PUBLIC_URL}/u/{token}" in text
+    assert f'href="{PUBLIC_URL}/u/{token}"' in html
+    assert html.rstrip().endswith("</body></html>")  # the footer went inside the body
+
+
+async def test_one_click_unsubscribe_mid_campaign(database_url: str, client: httpx.Client) -> None:
+    addresses = emails(60)
+    setup = await campaign_setup(database_url, addresses)
+    sid = _one(database_url, "SELECT subscriber_id FROM sendonce.subscribers WHERE email = %s", addresses[-1])[0]
+    token = LINKS.unsubscribe_token(setup.account_id, sid, setup.campaign_id)  # type: ignore[arg-type]
+    with Inbox(faults=InboxFaults(slow=1.0, slow_seconds=0.03)) as inbox:
+        worker = Worker(
+            database_url,
+            transport_from_url(inbox.url),
+            WorkerConfig(concurrency=1, batch_size=5, tick=0.2),
+            composer=composer(),
+        )
+        task = asyncio.create_task(worker.run())
+        await asyncio.to_thread(inbox.wait_for, 5, 30)
+        # the one-click POST of RFC 8058: no cookie, no auth, and the answer is not a redirect
+        response = await asyncio.to_thread(
+            client.post,
+            f"/u/{token}",
+            content=b"List-Unsubscribe=One-Click",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
+        assert response.status_code == 200 and "set-cookie" not in response.headers
+        assert "unsubscribed" in response.text
+        again = await asyncio.to_thread(client.post, f"/u/{token}")
+        assert again.status_code == 200  # idempotent
+        deadline = time.monotonic() + 60
+        while (await campaign_status(database_url, setup.account_id, setup.campaign_id))[0] != "sent":  # type: ignore[arg-type]
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        worker.stop()
+        await task
+        received = inbox.by_recipient()
+    assert addresses[-1] not in received
+    assert len(received) == 59
+    _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert (counts.sent, counts.suppressed) == (59, 1)
+
+
+def test_a_forged_unsubscribe_token_changes_nothing(database_url: str, client: httpx.Client) -> None:
+    token = LINKS.unsubscribe_token(1, 1, 1)
+    forged = KeyRing(b"another-secret-0123456789abcdef").sign_stable("unsubscribe", {"a": 1, "s": 1, "c": 1})
+    for bad in (forged, token[:-4] + "AAAA", "x" * 40):
+        assert client.post(f"/u/{bad}").status_code == 400
+        assert client.get(f"/u/{bad}").status_code == 400
+    assert _one(database_url, "SELECT count(*) FROM sendonce.list_members WHERE status = 'unsubscribed'") == (0,)
+
+
+async def test_the_unsubscribe_page_asks_first_and_offers_to_resubscribe(
+    database_url: str, client: httpx.Client
+) -> None:
+    setup = await campaign_setup(database_url, ["ann@example.test"])
+    token = LINKS.unsubscribe_token(setup.account_id, 1, setup.campaign_id)  # type: ignore[arg-type]
+    page = client.get(f"/u/{token}")
+    assert page.status_code == 200 and f'action="/u/{token}"' in page.text
+    assert _one(database_url, "SELECT status FROM sendonce.list_members") == ("confirmed",)  # GET changed nothing
+    client.post(f"/u/{token}")
+    assert _one(database_url, "SELECT status FROM sendonce.list_members") == ("unsubscribed",)
+    assert "Resubscribe" in client.get(f"/u/{token}").text
+    assert client.post(f"/u/{token}/resubscribe").status_code == 200
+    assert _one(database_url, "SELECT status FROM sendonce.list_members") == ("confirmed",)
+
+
+async def test_transactional_mail_has_no_list_unsubscribe(
+    database_url: str, inbox: Inbox, client: httpx.Client
+) -> None:
+    key = client.post("/v1/accounts", json={"name": "a", "from_email": "a@acme.test"}, headers=ADMIN).json()["api_key"]
+    client.post(
+        "/v1/signups", json={"email": "ann@example.test", "origin": "web"}, headers={"Authorization": f"Bearer {key}"}
+    )
+    await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN)
+    message = inbox.messages[0].parsed()
+    assert message["List-Unsubscribe"] is None and message["List-Unsubscribe-Post"] is None
+
+
+# -- bounces and complaints --------------------------------------------------------------------------
+
+
+def _generic(
+    client: httpx.Client, events: list[dict[str, Any]], secret: str = GENERIC_SECRET, **params: Any
+) -> httpx.Response:
+    body = json.dumps({"events": events}).encode()
+    ts = str(int(time.time()))
+    mac = hmac.new(secret.encode(), f"{ts}.".encode() + body, hashlib.sha256).hexdigest()
+    headers = {"Sendonce-Timestamp": ts, "Sendonce-Signature": f"sha256={mac}", "Content-Type": "application/json"}
+    return client.post("/v1/webhooks/generic", content=body, headers=headers, params=params)
+
+
+async def _sent_campaign(database_url: str, addresses: list[str]) -> Any:
+    setup = await campaign_setup(database_url, addresses)
+    with Inbox() as inbox:
+        await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN)
+    return setup
+
+
+async def test_a_hard_bounce_suppresses_once_however_often_it_is_replayed(
+    database_url: str, client: httpx.Client
+) -> None:
+    await _sent_campaign(database_url, ["ann@example.test", "bob@example.test"])
+    job = _one(database_url, "SELECT job_id FROM sendonce.deliveries WHERE email = 'ann@example.test'")[0]
+    event = {
+        "id": "evt-1",
+        "type": "hard_bounce",
+        "email": "ann@example.test",
+        "job_id": job,
+        "detail": {"smtp": "550 5.1.1"},
+    }
+    for _ in range(3):
+        response = _generic(client, [event])
+        assert response.status_code == 200, response.text
+    assert response.json() == {"received": 1, "new": 0, "unattributed": 0}
+    assert _one(database_url, "SELECT count(*) FROM sendonce.feedback_events") == (1,)
+    assert _one(database_url, "SELECT email_key, reason FROM sendonce.suppressions") == ("ann@example.test", "bounce")
+    assert _one(database_url, "SELECT status FROM sendonce.subscribers WHERE email = 'ann@example.test'") == (
+        "bounced",
+    )
+    assert _one(database_url, "SELECT feedback FROM sendonce.deliveries WHERE job_id = %s", job) == ("hard_bounce",)
+
+
+async def test_complaints_suppress_at_once_and_soft_bounces_after_a_few(
+    database_url: str, client: httpx.Client
+) -> None:
+    setup = await _sent_campaign(database_url, ["ann@example.test", "bob@example.test"])
+    assert (
+        _generic(
+            client, [{"id": "c1", "type": "complaint", "email": "ann@example.test"}], account=setup.account_id
+        ).json()["new"]
+        == 1
+    )
+    assert _one(database_url, "SELECT reason FROM sendonce.suppressions WHERE email_key = 'ann@example.test'") == (
+        "complaint",
+    )
+    for n in range(3):
+        _generic(
+            client, [{"id": f"s{n}", "type": "soft_bounce", "email": "bob@example.test"}], account=setup.account_id
+        )
+        suppressed = _one(
+            database_url, "SELECT count(*) FROM sendonce.suppressions WHERE email_key = 'bob@example.test'"
+        )
+        assert suppressed == ((1,) if n == 2 else (0,))
+    # an event that names no delivery and no account is not attributable: counted, ignored
+    assert _generic(client, [{"id": "x", "type": "complaint", "email": "who@example.test"}]).json()["unattributed"] == 1
+
+
+def test_webhooks_refuse_bad_signatures_and_payloads(client: httpx.Client, database_url: str) -> None:
+    ok = {"id": "e", "type": "hard_bounce", "email": "a@example.test"}
+    assert _generic(client, [ok], secret="wrong").status_code == 401
+    body = json.dumps({"events": [ok]}).encode()
+    assert client.post("/v1/webhooks/generic", content=body).status_code == 401
+    assert _generic(client, [{"id": "e", "type": "explosion", "email": "a@example.test"}]).status_code == 400
+    assert client.post("/v1/webhooks/carrier-pigeon", content=b"{}").status_code == 404
+    assert client.post("/v1/webhooks/postmark", content=b"{}").status_code == 401  # not configured
+    assert _one(database_url, "SELECT count(*) FROM sendonce.suppressions") == (0,)
+
+
+async def test_resend_svix_webhook(database_url: str, client: httpx.Client) -> None:
+    await _sent_campaign(database_url, ["ann@example.test"])
+    job = _one(database_url, "SELECT job_id FROM sendonce.deliveries")[0]
+    payload = {
+        "type": "email.complained",
+        "created_at": "2026-11-30T10:00:00.000Z",
+        "data": {
+            "email_id": "re-1",
+            "to": ["ann@example.test"],
+            "headers": {"Sendonce-Job-Id": job},
+            "created_at": "2026-11-30T10:00:00Z",
+        },
+    }
+    body = json.dumps(payload).encode()
+    key = base64.b64decode(SVIX_SECRET.removeprefix("whsec_"))
+    headers = svix_headers(body, msg_id="msg_1", ts=str(int(time.time())), key=key)
+    for _ in range(2):
+        assert client.post("/v1/webhooks/resend", content=body, headers=headers).status_code == 200
+    assert _one(database_url, "SELECT reason FROM sendonce.suppressions") == ("complaint",)
+    tampered = body.replace(b"ann@", b"bob@")
+    assert client.post("/v1/webhooks/resend", content=tampered, headers=headers).status_code == 401
+
+
+async def test_ses_over_sns_with_a_test_certificate(database_url: str, client: httpx.Client) -> None:
+    from sendonce.api.routes import webhooks
+
+    await _sent_campaign(database_url, ["ann@example.test"])
+    job = _one(database_url, "SELECT job_id FROM sendonce.deliveries")[0]
+    record = {
+        "notificationType": "Bounce",
+        "bounce": {
+            "bounceType": "Permanent",
+            "bounceSubType": "General",
+            "bouncedRecipients": [
+                {"emailAddress": "ann@example.test", "status": "5.1.1", "diagnosticCode": "smtp; 550"}
+            ],
+            "timestamp": "2026-11-30T10:00:00.000Z",
+            "feedbackId": "f-1",
+        },
+        "mail": {
+            "timestamp": "2026-11-30T09:59:00.000Z",
+            "messageId": "ses-msg-1",
+            "source": "news@sender.test",
+            "destination": ["ann@example.test"],
+            "headers": [{"name": "Sendonce-Job-Id", "value": job}],
+        },
+    }
+    # The certificate of the test key is served from the route's cache: no fetch from the network.
+    webhooks._CERTIFICATES[CERT_URL] = SNS_CERT
+    envelope = sns_notification(record, version="2")
+    for _ in range(2):
+        response = client.post("/v1/webhooks/ses", content=json.dumps(envelope).encode())
+        assert response.status_code == 200, response.text
+    assert _one(database_url, "SELECT count(*), min(provider) FROM sendonce.feedback_events") == (1, "ses")
+    assert _one(database_url, "SELECT reason FROM sendonce.suppressions") == ("bounce",)
+    envelope["Message"] = envelope["Message"].replace("Permanent", "Transient")
+    assert client.post("/v1/webhooks/ses", content=json.dumps(envelope).encode()).status_code == 401
+
+
+async def test_a_campaign_with_too_many_bounces_pauses_itself(database_url: str, client: httpx.Client) -> None:
+    addresses = emails(300)
+    setup = await campaign_setup(database_url, addresses)
+
+    def reject(address: str) -> str | None:  # 30% of the list no longer exists
+        return "550 5.1.1 user unknown" if int(address[4:10]) % 10 < 3 else None
+
+    with Inbox(faults=InboxFaults(reject=reject)) as inbox:
+        policy = FeedbackPolicy(max_bounce_rate=0.1, min_sample=40)
+        config = WorkerConfig(concurrency=2, batch_size=10, tick=0.2, lease=5, drain=True, feedback=policy)
+        await run_to_drain(database_url, transport_from_url(inbox.url), config)
+        delivered = len(inbox.messages)
+    status, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert status == "paused"
+    assert delivered < 200 and counts.queued > 0
+    assert counts.failed >= 12  # the hard bounces that tripped it
+    alerts = client.get("/v1/alerts", headers=await _key_for(database_url, setup.account_id, client)).json()["items"]
+    assert [a["kind"] for a in alerts] == ["campaign_paused"]
+    assert "bounce rate" in alerts[0]["detail"]["reason"]
+    reason = _one(
+        database_url, "SELECT paused_reason FROM sendonce.campaigns WHERE campaign_id = %s", setup.campaign_id
+    )[0]
+    assert re.match(r"bounce rate \d+\.\d% is over its limit of 10\.0%", reason)
+
+
+async def _key_for(database_url: str, account_id: int, client: httpx.Client) -> dict[str, str]:
+    """A fresh API key for an account created in the store (tests only: replaces its hash)."""
+    from sendonce.store.accounts import _hash
+
+    async with await connect(database_url) as conn:
+        await conn.execute(
+            "UPDATE sendonce.accounts SET api_key_hash = %s WHERE account_id = %s", (_hash("x" * 43), account_id)
+        )
+    return {"Authorization": f"Bearer sk_{account_id}_{'x' * 43}"}
