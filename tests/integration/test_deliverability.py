@@ -24,7 +24,16 @@ from sendonce.store.feedback import FeedbackPolicy
 from sendonce.testing.inbox import Inbox, InboxFaults
 from sendonce.transports.registry import transport_from_url
 from tests.conftest import ApiServer
-from tests.helpers import PUBLIC_URL, TEST_SECRET, campaign_setup, campaign_status, composer, emails, run_to_drain
+from tests.helpers import (
+    PUBLIC_URL,
+    TEST_SECRET,
+    campaign_setup,
+    campaign_status,
+    composer,
+    emails,
+    run_to_drain,
+    running_worker,
+)
 from tests.unit.test_webhooks import CERT_URL, SNS_CERT, TOPIC, sns_notification, svix_headers
 
 ADMIN = {"Authorization": "Bearer test-admin-token"}
@@ -328,3 +337,83 @@ async def _key_for(database_url: str, account_id: int, client: httpx.Client) -> 
             "UPDATE sendonce.accounts SET api_key_hash = %s WHERE account_id = %s", (_hash("x" * 43), account_id)
         )
     return {"Authorization": f"Bearer sk_{account_id}_{'x' * 43}"}
+
+
+# -- DKIM ---------------------------------------------------------------------------------------------
+
+
+def _campaign_via_api(client: httpx.Client, auth: dict[str, str], addresses: list[str]) -> int:
+    lst = client.post("/v1/lists", json={"name": "news"}, headers=auth).json()["id"]
+    client.post(
+        "/v1/subscribers", json={"subscribers": [{"email": a, "lists": [lst]} for a in addresses]}, headers=auth
+    )
+    cid = client.post(
+        "/v1/campaigns", json={"name": "n", "subject": "Hello", "text": "Hi {{ email }}", "lists": [lst]}, headers=auth
+    ).json()["id"]
+    assert client.post(f"/v1/campaigns/{cid}/approve", headers=auth).status_code == 200
+    return int(cid)
+
+
+async def test_dkim_signature_verifies_and_covers_the_unsubscribe_headers(
+    database_url: str, client: httpx.Client, inbox: Inbox, tmp_path: Any
+) -> None:
+    import dkim
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    (tmp_path / "dkim.pem").write_bytes(pem)
+    public = base64.b64encode(
+        key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    ).decode()
+    body = client.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
+    auth = {"Authorization": f"Bearer {body['api_key']}"}
+    bad = client.patch("/v1/account", json={"dkim": {"domain": "acme.test", "selector": "s1"}}, headers=auth)
+    assert bad.status_code == 422
+    response = client.patch(
+        "/v1/account",
+        json={"dkim": {"domain": "acme.test", "selector": "s2026", "key_file": str(tmp_path / "dkim.pem")}},
+        headers=auth,
+    )
+    assert response.status_code == 200 and response.json()["dkim"]["selector"] == "s2026"
+    _campaign_via_api(client, auth, ["ann@example.test"])
+    await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN)
+    data = inbox.messages[0].data
+    asked: list[bytes] = []
+
+    def dns(name: bytes, timeout: int = 5) -> bytes:
+        asked.append(name)
+        return f"v=DKIM1; k=rsa; p={public}".encode()
+
+    assert dkim.verify(data, dnsfunc=dns)
+    assert asked == [b"s2026._domainkey.acme.test."]
+    signature = inbox.messages[0].parsed()["DKIM-Signature"]
+    signed = {
+        h.strip() for h in re.search(r"h=([^;]+);", signature.replace("\r\n", "").replace(" ", "")).group(1).split(":")
+    }  # type: ignore[union-attr]
+    assert {"from", "subject", "message-id", "list-unsubscribe", "list-unsubscribe-post"} <= signed
+    tampered = data.replace(b"Subject: Hello", b"Subject: Hellp")
+    assert not dkim.verify(tampered, dnsfunc=dns)
+
+
+async def test_a_missing_dkim_key_delays_mail_instead_of_sending_it_unsigned(
+    database_url: str, client: httpx.Client, inbox: Inbox
+) -> None:
+    body = client.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
+    auth = {"Authorization": f"Bearer {body['api_key']}"}
+    client.patch(
+        "/v1/account",
+        json={"dkim": {"domain": "acme.test", "selector": "s", "key_env": "NO_SUCH_DKIM_KEY"}},
+        headers=auth,
+    )
+    _campaign_via_api(client, auth, ["ann@example.test"])
+    config = WorkerConfig(tick=0.2, lease=5, backoff_base=30)
+    async with running_worker(database_url, transport_from_url(inbox.url), config):
+        deadline = time.monotonic() + 20
+        while _one(database_url, "SELECT coalesce(max(failures), 0) FROM sendonce.deliveries")[0] == 0:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+    assert inbox.messages == []
+    status, error = _one(database_url, "SELECT status, last_error FROM sendonce.deliveries")
+    assert status == "queued" and "NO_SUCH_DKIM_KEY" in error

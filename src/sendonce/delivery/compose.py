@@ -7,21 +7,25 @@ variable parts are rendered and a few header lines written.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from email.utils import formatdate
 from html import escape
+from pathlib import Path
 from typing import Any
 
 from sendonce.delivery.render import CompiledTemplate, TemplateError, compile_template
 from sendonce.domain.addresses import parse_address
+from sendonce.domain.dkim import DkimKey
 from sendonce.domain.jobs import JOB_ID_HEADER, message_id
 from sendonce.domain.keys import KeyRing
 from sendonce.domain.message import OutgoingMessage, format_address
 from sendonce.store import accounts as account_store
 from sendonce.store import campaigns as campaign_store
+from sendonce.store.accounts import DkimSettings
 from sendonce.store.database import Conn
 from sendonce.store.outbox import ClaimedDelivery
 
@@ -70,6 +74,30 @@ def _footer_html(html: str, url: str) -> str:
 
 class ComposeError(Exception):
     """This message cannot be built (bad template data, unusable address): fail it, do not retry."""
+
+
+class ComposeLater(ComposeError):
+    """This message cannot be built now (its DKIM key cannot be read): retry later, with backoff."""
+
+
+def load_dkim_key(settings: DkimSettings) -> DkimKey:
+    """Read an account's DKIM private key from its file or environment variable."""
+    if settings.key_file:
+        try:
+            pem = Path(settings.key_file).read_bytes()
+        except OSError as exc:
+            raise ComposeLater(
+                f"the DKIM key of {settings.domain} cannot be read from {settings.key_file}: {exc}"
+            ) from None
+    else:
+        assert settings.key_env is not None
+        value = os.environ.get(settings.key_env)
+        if not value:
+            raise ComposeLater(f"the DKIM key of {settings.domain} is not in ${settings.key_env}")
+        pem = value.replace("\\n", "\n").encode()
+    if b"PRIVATE KEY" not in pem:
+        raise ComposeLater(f"the DKIM key of {settings.domain} is not a PEM private key")
+    return DkimKey(settings.domain, settings.selector, pem)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +157,14 @@ class Sender:
     from_header: str
     envelope_from: str
     domain: str
+    dkim: DkimKey | None = None
+    dkim_error: str | None = None
+    """The account wants DKIM but its key could not be loaded: messages wait (ComposeLater)."""
+
+    def signing_key(self) -> DkimKey | None:
+        if self.dkim_error is not None:
+            raise ComposeLater(self.dkim_error)
+        return self.dkim
 
 
 TransactionalComposer = Callable[[ClaimedDelivery, Sender, str], OutgoingMessage]
@@ -153,21 +189,37 @@ class Composer:
         if account is None:
             return
         envelope_from, _ = wire_address(account.from_email)
+        dkim: DkimKey | None = None
+        dkim_error: str | None = None
+        if account.dkim is not None:
+            try:
+                dkim = load_dkim_key(account.dkim)
+            except ComposeLater as exc:
+                dkim_error = str(exc)
+                logger.error("%s", exc, extra={"action": "dkim_key_missing", "account_id": account_id})
         sender = Sender(
             account_id,
             format_address(account.from_name, envelope_from),
             envelope_from,
             envelope_from.rpartition("@")[2],
+            dkim,
+            dkim_error,
         )
         self._senders[account_id] = (time.monotonic(), sender)
+
+    def sender(self, account_id: int) -> Sender:
+        cached = self._senders.get(account_id)
+        if cached is None:
+            raise ComposeLater(f"account {account_id} could not be loaded")
+        return cached[1]
 
     async def prepare(self, conn: Conn, batch: Iterable[ClaimedDelivery]) -> None:
         """Load what the batch needs that is not cached yet (one query per new campaign or account)."""
         for delivery in batch:
             if delivery.blocked:
                 continue
+            await self._load_sender(conn, delivery.account_id)
             if delivery.campaign_id is None:
-                await self._load_sender(conn, delivery.account_id)
                 continue
             key = (delivery.account_id, delivery.campaign_id)
             if key in self._campaigns:
@@ -207,10 +259,7 @@ class Composer:
             composer = self._transactional.get(delivery.kind)
             if composer is None:
                 raise ComposeError(f"no composer for mail of kind {delivery.kind!r}")
-            cached = self._senders.get(delivery.account_id)
-            if cached is None:
-                raise ComposeError(f"account {delivery.account_id} could not be loaded")
-            return composer(delivery, cached[1], self._date.now())
+            return composer(delivery, self.sender(delivery.account_id), self._date.now())
         except ComposeError:
             raise
         except Exception as exc:
@@ -266,4 +315,5 @@ class Composer:
                 ("Feedback-ID", f"{content.campaign_id}:{content.account_id}:campaign:sendonce"),
             ],
             boundary=content.boundary,
+            dkim=self.sender(delivery.account_id).signing_key(),
         )

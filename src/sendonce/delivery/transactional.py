@@ -54,6 +54,7 @@ def _base(delivery: ClaimedDelivery, sender: Sender, date: str, name: str | None
         "message_id": message_id(delivery.job_id, sender.domain),
         "date": date,
         "headers": [(JOB_ID_HEADER, delivery.job_id)],
+        "dkim": sender.signing_key(),
     }
 
 

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from sendonce.delivery.compose import ComposeError, Composer
+from sendonce.delivery.compose import ComposeError, ComposeLater, Composer
 from sendonce.faults import NO_FAULTS, Faults
 from sendonce.notify import post_alert
 from sendonce.store import feedback, outbox
@@ -421,6 +421,10 @@ class Worker:
                 continue
             try:
                 message = self.composer.compose(held.delivery)
+            except ComposeLater as exc:
+                held.started = True
+                self._push(_Result(held, Retry(f"cannot compose yet: {exc}")))
+                continue
             except ComposeError as exc:
                 held.started = True
                 self._push(_Result(held, Permanent(f"cannot compose: {exc}")))

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from email.header import Header
 from email.utils import formataddr
 
+from sendonce.domain.dkim import DkimKey
+
 CRLF = "\r\n"
 
 
@@ -71,6 +73,8 @@ class OutgoingMessage:
     headers: list[tuple[str, str]] = field(default_factory=list)
     """Extra headers, in order (Sendonce-Job-Id, List-Unsubscribe, ...)."""
     boundary: str = "=_sendonce_boundary"
+    dkim: DkimKey | None = None
+    """Sign the message with this key (SMTP; an HTTP provider signs with its own)."""
 
     def header_block(self) -> str:
         lines = [
@@ -100,4 +104,7 @@ class OutgoingMessage:
                 f"--{b}{CRLF}{html_part}{CRLF}{CRLF}{_qp(self.html)}{CRLF}"
                 f"--{b}--{CRLF}"
             )
-        return (self.header_block() + CRLF + body).encode("utf-8")
+        data = (self.header_block() + CRLF + body).encode("utf-8")
+        if self.dkim is not None:
+            return self.dkim.sign(data) + data
+        return data

@@ -16,6 +16,16 @@ _KEY_PREFIX = "sk_"
 
 
 @dataclass(frozen=True, slots=True)
+class DkimSettings:
+    """Where an account's DKIM key is: a file or an environment variable of the worker (never the key)."""
+
+    domain: str
+    selector: str
+    key_file: str | None
+    key_env: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class Account:
     account_id: int
     name: str
@@ -23,6 +33,7 @@ class Account:
     from_name: str | None
     signup_window: timedelta | None = None
     signup_list_id: int | None = None
+    dkim: DkimSettings | None = None
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Account:
@@ -33,6 +44,9 @@ class Account:
             row["from_name"],
             row.get("signup_window"),
             row.get("signup_list_id"),
+            DkimSettings(row["dkim_domain"], row["dkim_selector"], row["dkim_key_file"], row["dkim_key_env"])
+            if row.get("dkim_domain")
+            else None,
         )
 
 
@@ -94,6 +108,8 @@ async def update_settings(
     clear_window: bool = False,
     signup_list_id: int | None = None,
     from_name: str | None = None,
+    dkim: DkimSettings | None = None,
+    set_dkim: bool = False,
 ) -> Account:
     cursor = await conn.execute(
         query("update_account_settings"),
@@ -103,6 +119,11 @@ async def update_settings(
             "clear_window": clear_window,
             "signup_list_id": signup_list_id,
             "from_name": from_name,
+            "set_dkim": set_dkim,
+            "dkim_domain": dkim.domain if dkim else None,
+            "dkim_selector": dkim.selector if dkim else None,
+            "dkim_key_file": dkim.key_file if dkim else None,
+            "dkim_key_env": dkim.key_env if dkim else None,
         },
     )
     row = await cursor.fetchone()

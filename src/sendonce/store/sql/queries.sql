@@ -10,7 +10,8 @@ RETURNING account_id;
 
 -- get_account --
 -- The account an API key names, with what authentication and mail composition need.
-SELECT account_id, name, api_key_hash, from_email, from_name, signup_window, signup_list_id
+SELECT account_id, name, api_key_hash, from_email, from_name, signup_window, signup_list_id,
+       dkim_domain, dkim_selector, dkim_key_file, dkim_key_env
   FROM sendonce.accounts
  WHERE account_id = %(account_id)s;
 
@@ -19,9 +20,14 @@ SELECT account_id, name, api_key_hash, from_email, from_name, signup_window, sig
 UPDATE sendonce.accounts
    SET signup_window = CASE WHEN %(clear_window)s THEN NULL ELSE coalesce(%(signup_window)s, signup_window) END,
        signup_list_id = coalesce(%(signup_list_id)s, signup_list_id),
-       from_name = coalesce(%(from_name)s, from_name)
+       from_name = coalesce(%(from_name)s, from_name),
+       dkim_domain = CASE WHEN %(set_dkim)s THEN %(dkim_domain)s ELSE dkim_domain END,
+       dkim_selector = CASE WHEN %(set_dkim)s THEN %(dkim_selector)s ELSE dkim_selector END,
+       dkim_key_file = CASE WHEN %(set_dkim)s THEN %(dkim_key_file)s ELSE dkim_key_file END,
+       dkim_key_env = CASE WHEN %(set_dkim)s THEN %(dkim_key_env)s ELSE dkim_key_env END
  WHERE account_id = %(account_id)s
-RETURNING account_id, name, from_email, from_name, signup_window, signup_list_id;
+RETURNING account_id, name, from_email, from_name, signup_window, signup_list_id,
+          dkim_domain, dkim_selector, dkim_key_file, dkim_key_env;
 
 -- create_list --
 -- A new list.
