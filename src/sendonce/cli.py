@@ -134,13 +134,14 @@ def worker(
 ) -> None:
     """Claim, send and record mail until stopped (SIGTERM: graceful)."""
     from sendonce.delivery.worker import WorkerConfig, run_until_signalled
-    from sendonce.runtime import build_worker, feedback_policy
+    from sendonce.runtime import build_worker, feedback_policy, send_rates
 
     settings = _settings()
     url = _database_url(settings)
     try:
         if upgrade_schema:
             _upgrade(url)
+        transport_rate, domain_rates = send_rates(settings)
         config = WorkerConfig(
             concurrency=concurrency,
             batch_size=batch_size,
@@ -149,6 +150,8 @@ def worker(
             drain=drain,
             feedback=feedback_policy(settings),
             alert_webhook_url=settings.alert_webhook_url,
+            transport_rate=transport_rate,
+            domain_rates=domain_rates,
         )
         built = build_worker(settings, config, url=url)
     except (SendonceError, ValueError) as exc:

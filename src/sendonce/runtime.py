@@ -17,6 +17,7 @@ from sendonce.faults import Faults
 from sendonce.settings import Settings
 from sendonce.store.database import resolve_database_url
 from sendonce.store.feedback import FeedbackPolicy
+from sendonce.store.rate_limits import Rate
 from sendonce.transports.base import Transport
 from sendonce.transports.registry import transport_from_url
 from sendonce.webhooks import WebhookConfig
@@ -78,6 +79,23 @@ def keyring(settings: Settings) -> KeyRing:
         return KeyRing(current, previous or None)
     except ValueError as exc:
         raise ConfigurationError(f"SENDONCE_SECRET: {exc}") from None
+
+
+def send_rates(settings: Settings) -> tuple[Rate | None, dict[str, Rate]]:
+    """The transport's rate and the per-domain rates, from SENDONCE_RATE_LIMIT and SENDONCE_DOMAIN_RATE_LIMITS."""
+    try:
+        transport = Rate.parse(settings.rate_limit) if settings.rate_limit else None
+        domains: dict[str, Rate] = {}
+        for item in (settings.domain_rate_limits or "").split(","):
+            if not item.strip():
+                continue
+            domain, sep, rate = item.partition("=")
+            if not sep or not domain.strip():
+                raise ValueError(f"{item.strip()!r} is not domain=rate")
+            domains[domain.strip().lower()] = Rate.parse(rate)
+    except ValueError as exc:
+        raise ConfigurationError(f"rate limits: {exc}") from None
+    return transport, domains
 
 
 def feedback_policy(settings: Settings) -> FeedbackPolicy:

@@ -63,6 +63,12 @@ class Settings(BaseSettings):
     trust_forwarded_for: bool = False
     """Take the client address from X-Forwarded-For (only behind a proxy you control)."""
 
+    # sending rates, enforced through PostgreSQL across every worker
+    rate_limit: str | None = None
+    """Messages through the transport, e.g. ``14/s`` or ``100/s burst 20``."""
+    domain_rate_limits: str | None = None
+    """Per recipient domain, e.g. ``gmail.com=50/min, yahoo.com=20/s``."""
+
     # bounces, complaints and their webhooks
     max_bounce_rate: float = Field(default=0.05, ge=0, le=1)
     """A sending campaign whose hard-bounce rate passes this is paused (per-campaign override)."""

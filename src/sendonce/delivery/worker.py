@@ -39,10 +39,11 @@ import psycopg
 from sendonce.delivery.compose import ComposeError, ComposeLater, Composer
 from sendonce.faults import NO_FAULTS, Faults
 from sendonce.notify import post_alert
-from sendonce.store import feedback, outbox
+from sendonce.store import feedback, outbox, rate_limits
 from sendonce.store.database import Conn, connect, is_unavailable
 from sendonce.store.feedback import FeedbackPolicy
 from sendonce.store.outbox import ClaimedDelivery, FailedRecord, Fenced, Key, RetryRecord, SentRecord
+from sendonce.store.rate_limits import Rate
 from sendonce.transports.base import Accepted, Channel, Outcome, Permanent, Retry, Transport
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,10 @@ class WorkerConfig:
     send_timeout: float = 30.0
     db_timeout: float = 0.0
     """Longest wait for one database call before the connection is abandoned (0: max(lease, 5s))."""
+    transport_rate: Rate | None = None
+    """At most this many messages through the transport, across every worker (a bucket in PostgreSQL)."""
+    domain_rates: dict[str, Rate] = field(default_factory=dict)
+    """At most this many messages to each of these recipient domains, across every worker."""
     feedback: FeedbackPolicy = field(default_factory=FeedbackPolicy)
     """Campaign bounce and complaint limits."""
     alert_webhook_url: str | None = None
@@ -131,6 +136,8 @@ class WorkerStats:
     """Outcomes the database refused because the row had been re-claimed (zombie completions)."""
     dropped_past_deadline: int = 0
     lost_leases: int = 0
+    deferred: int = 0
+    """Rows put back by a per-domain rate limit (not failures)."""
 
 
 @dataclass(slots=True)
@@ -334,14 +341,28 @@ class Worker:
                 self._wake.clear()
                 started = loop.time()
 
-                async def claim(conn: Conn, started: float) -> list[ClaimedDelivery]:
+                async def claim(conn: Conn, started: float) -> list[ClaimedDelivery] | float:
+                    limit = config.batch_size
+                    rate = config.transport_rate
+                    if rate is not None:
+                        # Tokens first, then only as many rows as tokens: the limit holds across workers.
+                        limit, left = await rate_limits.take_up_to(conn, self.transport.rate_bucket, rate, limit)
+                        if limit == 0:
+                            return (1.0 - left) / rate.per_second
                     batch = await outbox.claim_batch(
                         conn,
-                        limit=config.batch_size,
+                        limit=limit,
                         lease_seconds=config.lease,
                         worker=self.name,
                         transport_idempotent=self._idempotent,
                     )
+                    if rate is not None:
+                        await rate_limits.refund(conn, self.transport.rate_bucket, rate, limit - len(batch))
+                    if config.domain_rates:
+                        claimed = len(batch)
+                        batch = await self._domain_gate(conn, batch)
+                        if rate is not None:  # the transport did not carry the rows put back
+                            await rate_limits.refund(conn, self.transport.rate_bucket, rate, claimed - len(batch))
                     try:
                         if batch:
                             await self.composer.prepare(conn, batch)
@@ -358,6 +379,9 @@ class Worker:
                     await asyncio.sleep(min(0.2 * 2**failures, 5.0))
                     continue
                 failures = 0
+                if isinstance(batch, float):  # rate-limited: wait for the next token
+                    await self._sleep(self._wake, min(batch, config.tick))
+                    continue
                 if batch:
                     self.faults.hit("after_claim")
                     continue
@@ -376,6 +400,29 @@ class Worker:
                 await self._sleep(self._wake, timeout)
         finally:
             await lane.reset()
+
+    async def _domain_gate(self, conn: Conn, batch: list[ClaimedDelivery]) -> list[ClaimedDelivery]:
+        """Keep the rows a per-domain rate allows now; put the others back, each at its turn."""
+        by_domain: dict[str, list[ClaimedDelivery]] = {}
+        for delivery in batch:
+            if not delivery.blocked:
+                domain = delivery.email.rpartition("@")[2].lower()
+                if domain in self.config.domain_rates:
+                    by_domain.setdefault(domain, []).append(delivery)
+        deferred: list[tuple[Fenced, float]] = []
+        held_back: set[Key] = set()
+        for domain, rows in by_domain.items():
+            rate = self.config.domain_rates[domain]
+            granted, left = await rate_limits.take_up_to(conn, f"domain:{domain}", rate, len(rows))
+            for index, delivery in enumerate(rows[granted:]):
+                # spread the rest over the coming tokens, so they do not all come back at once
+                delay = (index + 1 - left) / rate.per_second
+                deferred.append((Fenced(delivery.account_id, delivery.delivery_id, delivery.attempt), delay))
+                held_back.add(delivery.key)
+        if deferred:
+            await outbox.defer_claims(conn, deferred)
+            self.stats.deferred += len(deferred)
+        return [d for d in batch if d.key not in held_back]
 
     def _take(self, batch: list[ClaimedDelivery], lease_end: float, *, release: bool = False) -> None:
         for delivery in batch:

@@ -183,6 +183,20 @@ async def record_failed(conn: Conn, items: Sequence[FailedRecord]) -> FailedOutc
     return FailedOutcome({(row["account_id"], row["delivery_id"]) for row in rows}, campaigns)
 
 
+async def defer_claims(conn: Conn, items: Sequence[tuple[Fenced, float]]) -> int:
+    """Put claimed rows back until ``delay`` seconds from now (a rate limit), fenced."""
+    if not items:
+        return 0
+    cursor = await conn.execute(
+        query("defer_claims"),
+        {
+            **_columns([f for f, _ in items], "account_id", "delivery_id", "attempt"),
+            "delays": [delay for _, delay in items],
+        },
+    )
+    return len(await cursor.fetchall())
+
+
 async def release_claims(conn: Conn, items: Sequence[Fenced]) -> int:
     """Give back claimed rows that were never started; returns how many were still ours."""
     if not items:

@@ -53,6 +53,32 @@ class Rate:
         return cls(count, seconds, float(burst) if burst.strip() else None)
 
 
+async def take_up_to(conn: Conn, bucket: str, rate: Rate, want: int, account_id: int = 0) -> tuple[int, float]:
+    """Take up to ``want`` whole tokens; returns (granted, fraction of a token left over)."""
+    row = await (
+        await conn.execute(
+            query("take_tokens_partial"),
+            {
+                "account_id": account_id,
+                "bucket": bucket,
+                "capacity": rate.capacity,
+                "rate": rate.per_second,
+                "want": want,
+            },
+        )
+    ).fetchone()
+    assert row is not None
+    return int(row["granted"]), float(row["remaining"])
+
+
+async def refund(conn: Conn, bucket: str, rate: Rate, amount: int, account_id: int = 0) -> None:
+    if amount > 0:
+        await conn.execute(
+            query("refund_tokens"),
+            {"account_id": account_id, "bucket": bucket, "capacity": rate.capacity, "amount": amount},
+        )
+
+
 async def take(conn: Conn, account_id: int, bucket: str, rate: Rate, cost: float = 1.0) -> float | None:
     """Take ``cost`` tokens; None when taken, else the seconds to wait before trying again."""
     params = {

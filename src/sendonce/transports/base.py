@@ -65,6 +65,8 @@ class Channel(ABC):
 
 class Transport(ABC):
     capabilities: Capabilities
+    rate_bucket: str = "transport"
+    """Name of the shared token bucket of this transport's rate limit (same server, same bucket)."""
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Open shared resources."""

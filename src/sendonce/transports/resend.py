@@ -56,6 +56,7 @@ class ResendTransport(Transport):
 
     def __init__(self, settings: ResendSettings, *, max_connections: int = 100) -> None:
         self.settings = settings
+        self.rate_bucket = f"transport:resend:{settings.base_url}"
         self._max_connections = max_connections
         self._client: httpx.AsyncClient | None = None
 

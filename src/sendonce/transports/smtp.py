@@ -40,6 +40,7 @@ class SmtpTransport(Transport):
 
     def __init__(self, settings: SmtpSettings) -> None:
         self.settings = settings
+        self.rate_bucket = f"transport:smtp:{settings.host}:{settings.port}"
 
     def channel(self) -> SmtpChannel:
         return SmtpChannel(self.settings)
@@ -53,6 +54,7 @@ def _describe(exc: BaseException) -> str:
 class SmtpChannel(Channel):
     def __init__(self, settings: SmtpSettings) -> None:
         self.settings = settings
+        self.rate_bucket = f"transport:smtp:{settings.host}:{settings.port}"
         self._smtp: aiosmtplib.SMTP | None = None
         self._dirty = False
         self._last_used = 0.0

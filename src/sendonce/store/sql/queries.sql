@@ -754,3 +754,26 @@ UPDATE sendonce.campaigns
    SET status = 'paused', paused_reason = %(reason)s, updated_at = now()
  WHERE account_id = %(account_id)s AND campaign_id = %(campaign_id)s AND status = 'sending'
 RETURNING campaign_id;
+
+-- take_tokens_partial --
+-- Up to %(want)s tokens from a shared bucket (see sendonce.take_tokens): granted, and what is left.
+SELECT granted, remaining
+  FROM sendonce.take_tokens(%(account_id)s, %(bucket)s, %(capacity)s, %(rate)s, %(want)s, true);
+
+-- refund_tokens --
+-- Give back tokens taken for rows that were not there to claim.
+UPDATE sendonce.rate_buckets
+   SET tokens = least(%(capacity)s::float8, tokens + %(amount)s)
+ WHERE account_id = %(account_id)s AND bucket = %(bucket)s;
+
+-- defer_claims --
+-- Rows claimed but over a rate limit: back to the queue until their turn, fenced. A deferral is not a
+-- failure and not a doubt: failures and uncertain are left as they are.
+UPDATE sendonce.deliveries d
+   SET status = 'queued', lease_expires_at = NULL, not_before = now() + make_interval(secs => u.delay),
+       updated_at = now()
+  FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[], %(delays)s::float8[])
+       AS u(account_id, delivery_id, attempt, delay)
+ WHERE d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
+   AND d.status = 'sending'
+RETURNING d.delivery_id;
