@@ -48,6 +48,8 @@ class Settings(BaseSettings):
     max_import_bytes: int = 50 * 1_048_576
     verify_ttl: Duration = Field(default=timedelta(hours=48))
     """How long a verification link stays valid."""
+    optin_ttl: Duration = Field(default=timedelta(days=7))
+    """How long a double opt-in confirmation link stays valid."""
     signup_rate_per_address: str = "5/h"
     """New verification mails per address (all origins), as a rate: an inbox cannot be bombed."""
     signup_rate_per_account: str = "200/s burst 2000"

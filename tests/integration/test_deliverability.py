@@ -417,3 +417,84 @@ async def test_a_missing_dkim_key_delays_mail_instead_of_sending_it_unsigned(
     assert inbox.messages == []
     status, error = _one(database_url, "SELECT status, last_error FROM sendonce.deliveries")
     assert status == "queued" and "NO_SUCH_DKIM_KEY" in error
+
+
+# -- double opt-in -----------------------------------------------------------------------------------
+
+
+async def test_double_opt_in(database_url: str, client: httpx.Client, inbox: Inbox) -> None:
+    body = client.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
+    auth = {"Authorization": f"Bearer {body['api_key']}"}
+    lst = client.post("/v1/lists", json={"name": "Weekly digest", "opt_in": "double"}, headers=auth).json()
+    assert lst["opt_in"] == "double"
+    people = {
+        "subscribers": [
+            {"email": "ann@example.test", "lists": [lst["id"]]},
+            {"email": "bob@example.test", "lists": [lst["id"]]},
+        ]
+    }
+    for _ in range(3):  # the client retries: still one confirmation mail each
+        assert client.post("/v1/subscribers", json=people, headers=auth).status_code == 200
+    vouched = {"subscribers": [{"email": "carl@example.test", "lists": [lst["id"]]}], "preconfirm": True}
+    client.post("/v1/subscribers", json=vouched, headers=auth)
+    first = client.post(
+        "/v1/campaigns", json={"name": "n", "subject": "Digest", "text": "Hi", "lists": [lst["id"]]}, headers=auth
+    ).json()["id"]
+    client.post(f"/v1/campaigns/{first}/approve", headers=auth)
+    await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN)
+    subjects = sorted((m.rcpt_to[0], m.parsed()["Subject"]) for m in inbox.messages)
+    assert subjects == [
+        ("ann@example.test", "Confirm your subscription to Weekly digest"),
+        ("bob@example.test", "Confirm your subscription to Weekly digest"),
+        ("carl@example.test", "Digest"),  # pending members never receive campaigns
+    ]
+    ann = next(m for m in inbox.messages if m.rcpt_to == ("ann@example.test",)).parsed()
+    token = re.search(r"/v1/lists/confirm\?token=(\S+)", ann.get_body(("plain",)).get_content()).group(1)  # type: ignore[union-attr]
+    assert "<form" in client.get("/v1/lists/confirm", params={"token": token}).text
+    assert client.post("/v1/lists/confirm", json={"token": token}).json()["already_confirmed"] is False
+    assert client.post("/v1/lists/confirm", json={"token": token}).json()["already_confirmed"] is True
+    assert client.post("/v1/lists/confirm", json={"token": token[:-3] + "xyz"}).status_code == 400
+    second = client.post(
+        "/v1/campaigns", json={"name": "n2", "subject": "Digest 2", "text": "Hi", "lists": [lst["id"]]}, headers=auth
+    ).json()["id"]
+    client.post(f"/v1/campaigns/{second}/approve", headers=auth)
+    inbox.clear()
+    await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN)
+    assert sorted(m.rcpt_to[0] for m in inbox.messages) == ["ann@example.test", "carl@example.test"]
+
+
+async def test_subscriber_attributes_reach_templates(database_url: str, client: httpx.Client, inbox: Inbox) -> None:
+    body = client.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
+    auth = {"Authorization": f"Bearer {body['api_key']}"}
+    lst = client.post("/v1/lists", json={"name": "l"}, headers=auth).json()["id"]
+    rows = [{"email": "ann@example.test", "name": "Ann", "lists": [lst], "attributes": {"city": "Lyon", "plan": "pro"}}]
+    assert client.post("/v1/subscribers", json={"subscribers": rows}, headers=auth).status_code == 200
+    client.post(
+        "/v1/subscribers",
+        json={"subscribers": [{"email": "ann@example.test", "attributes": {"plan": "team"}}]},
+        headers=auth,
+    )
+    bad = client.post(
+        "/v1/subscribers", json={"subscribers": [{"email": "x@example.test", "attributes": ["nope"]}]}, headers=auth
+    )
+    assert bad.status_code == 422 and "attributes must be an object" in bad.text
+    csv_body = b"email,city\nbob@example.test,Paris\n"
+    client.post(f"/v1/subscribers/import?list={lst}", content=csv_body, headers={**auth, "Content-Type": "text/csv"})
+    cid = client.post(
+        "/v1/campaigns",
+        json={
+            "name": "n",
+            "subject": "News for {{ attributes.city }}",
+            "text": "Hi {{ name }} ({{ attributes.city }})",
+            "lists": [lst],
+        },
+        headers=auth,
+    ).json()["id"]
+    client.post(f"/v1/campaigns/{cid}/approve", headers=auth)
+    await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN)
+    got = {m.rcpt_to[0]: m.parsed()["Subject"] for m in inbox.messages}
+    assert got == {"ann@example.test": "News for Lyon", "bob@example.test": "News for Paris"}
+    assert _one(database_url, "SELECT attributes FROM sendonce.subscribers WHERE email = 'ann@example.test'")[0] == {
+        "city": "Lyon",
+        "plan": "team",
+    }

@@ -21,6 +21,7 @@ from sendonce.api.routes import (
     accounts,
     campaigns,
     lists,
+    optin,
     outbox,
     signups,
     subscribers,
@@ -94,6 +95,7 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
     for module in (
         accounts,
         account,
+        optin,
         lists,
         subscribers,
         campaigns,

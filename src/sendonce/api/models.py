@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -31,11 +31,13 @@ class AccountOut(BaseModel):
 
 class ListIn(BaseModel):
     name: Name
+    opt_in: Literal["single", "double"] = "single"
 
 
 class ListOut(BaseModel):
     id: int
     name: str
+    opt_in: str = "single"
 
 
 class SubscriberIn(BaseModel):
@@ -45,10 +47,15 @@ class SubscriberIn(BaseModel):
     name: object = None
     status: object = None
     lists: object = None
+    attributes: object = None
 
 
 class SubscribersIn(BaseModel):
     subscribers: Annotated[list[SubscriberIn], Field(min_length=1, max_length=10_000)]
+    preconfirm: bool = Field(
+        default=False,
+        description="the people consented elsewhere: double opt-in memberships start confirmed, no confirmation mail",
+    )
 
 
 class SubscriberResult(BaseModel):

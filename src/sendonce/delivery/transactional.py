@@ -100,8 +100,29 @@ def compose_message(delivery: ClaimedDelivery, sender: Sender, date: str) -> Out
     return OutgoingMessage(subject=subject, text=text, html=html if isinstance(html, str) else None, **base)
 
 
+def compose_list_confirmation(delivery: ClaimedDelivery, sender: Sender, date: str) -> OutgoingMessage:
+    payload = delivery.payload
+    url, list_name = payload.get("confirm_url"), payload.get("list_name")
+    if not isinstance(url, str) or not isinstance(list_name, str):
+        raise ComposeError("the confirmation event has no link or list")
+    name = payload.get("name") if isinstance(payload.get("name"), str) else None
+    text = (
+        f"Hello{' ' + name if name else ''},\n\nPlease confirm that you want to receive {list_name}:\n\n{url}\n\n"
+        "If you did not ask for it, ignore this message: you will not be subscribed.\n"
+    )
+    html = (
+        f"<p>Please confirm that you want to receive <b>{escape(list_name)}</b>.</p>"
+        f'<p><a href="{escape(url, quote=True)}">Yes, subscribe me</a></p>'
+        '<p style="font-size:12px;color:#666">If you did not ask for it, ignore this message.</p>'
+    )
+    return OutgoingMessage(
+        subject=f"Confirm your subscription to {list_name}", text=text, html=html, **_base(delivery, sender, date, name)
+    )
+
+
 TRANSACTIONAL: dict[str, TransactionalComposer] = {
     SIGNUP_EVENT: compose_signup_verification,
+    "list_confirmation_requested": compose_list_confirmation,
     "message": compose_message,
 }
 

@@ -8,8 +8,10 @@ from sendonce.store.database import Conn
 from sendonce.store.queries import query
 
 
-async def create_list(conn: Conn, account_id: int, name: str) -> int:
-    row = await (await conn.execute(query("create_list"), {"account_id": account_id, "name": name})).fetchone()
+async def create_list(conn: Conn, account_id: int, name: str, opt_in: str = "single") -> int:
+    row = await (
+        await conn.execute(query("create_list"), {"account_id": account_id, "name": name, "opt_in": opt_in})
+    ).fetchone()
     assert row is not None
     return int(row["list_id"])
 

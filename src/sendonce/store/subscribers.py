@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+from psycopg.types.json import Jsonb
 
 from sendonce.domain.addresses import Address
 from sendonce.domain.states import SubscriberStatus
@@ -17,6 +21,8 @@ class SubscriberInput:
     status: SubscriberStatus | None = None
     """None keeps the existing status (new subscribers are confirmed)."""
     list_ids: list[int] = field(default_factory=list)
+    attributes: dict[str, Any] | None = None
+    """Merged into the subscriber's attributes (keys given replace the old values)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,11 +31,25 @@ class UpsertResult:
     created: bool
 
 
-async def upsert_subscribers(conn: Conn, account_id: int, rows: list[SubscriberInput]) -> list[UpsertResult]:
+OPTIN_PURPOSE = "optin"
+
+ConfirmUrl = Callable[[int, int], str]
+"""(list_id, subscriber_id) -> the signed link that confirms that membership."""
+
+
+async def upsert_subscribers(
+    conn: Conn,
+    account_id: int,
+    rows: list[SubscriberInput],
+    *,
+    preconfirm: bool = False,
+    confirm_url: ConfirmUrl | None = None,
+) -> list[UpsertResult]:
     """Insert or update ``rows`` in one transaction; one result per input row, in order.
 
     Rows that normalize to the same address are merged (the later row's fields win, lists add up),
-    so a request can never create two subscribers for one address.
+    so a request can never create two subscribers for one address. New memberships of double opt-in
+    lists are pending, and their confirmation mails are queued in the same transaction.
     """
     if not rows:
         return []
@@ -41,8 +61,12 @@ async def upsert_subscribers(conn: Conn, account_id: int, rows: list[SubscriberI
             first.name = row.name if row.name is not None else first.name
             first.status = row.status if row.status is not None else first.status
             first.list_ids = sorted(set(first.list_ids) | set(row.list_ids))
+            if row.attributes:
+                first.attributes = {**(first.attributes or {}), **row.attributes}
         else:
-            merged[key] = SubscriberInput(row.address, row.name, row.status, sorted(set(row.list_ids)))
+            merged[key] = SubscriberInput(
+                row.address, row.name, row.status, sorted(set(row.list_ids)), dict(row.attributes or {}) or None
+            )
     unique = list(merged.values())
     ids: dict[str, int] = {}
     created: set[str] = set()
@@ -55,6 +79,7 @@ async def upsert_subscribers(conn: Conn, account_id: int, rows: list[SubscriberI
                 "email_keys": [r.address.key for r in unique],
                 "names": [r.name for r in unique],
                 "statuses": [r.status.value if r.status else None for r in unique],
+                "attributes": [Jsonb(r.attributes) if r.attributes else None for r in unique],
             },
         )
         for found in await cursor.fetchall():
@@ -69,20 +94,35 @@ async def upsert_subscribers(conn: Conn, account_id: int, rows: list[SubscriberI
                     "email_keys": [r.address.key for r in existing],
                     "names": [r.name for r in existing],
                     "statuses": [r.status.value if r.status else None for r in existing],
+                    "attributes": [Jsonb(r.attributes) if r.attributes else None for r in existing],
                 },
             )
             for found in await cursor.fetchall():
                 ids[found["email_key"]] = int(found["subscriber_id"])
         pairs = [(list_id, ids[r.address.key]) for r in unique for list_id in r.list_ids]
         if pairs:
-            await conn.execute(
+            cursor = await conn.execute(
                 query("add_memberships"),
                 {
                     "account_id": account_id,
                     "list_ids": [p[0] for p in pairs],
                     "subscriber_ids": [p[1] for p in pairs],
+                    "preconfirm": preconfirm,
                 },
             )
+            pending = [(r["list_id"], r["subscriber_id"]) for r in await cursor.fetchall() if r["status"] == "pending"]
+            if pending:
+                if confirm_url is None:
+                    raise ValueError("double opt-in memberships need confirm_url to build their links")
+                await conn.execute(
+                    query("enqueue_optin_confirmations"),
+                    {
+                        "account_id": account_id,
+                        "list_ids": [p[0] for p in pending],
+                        "subscriber_ids": [p[1] for p in pending],
+                        "urls": [confirm_url(*p) for p in pending],
+                    },
+                )
     results = []
     for row in rows:
         key = row.address.key
@@ -90,3 +130,16 @@ async def upsert_subscribers(conn: Conn, account_id: int, rows: list[SubscriberI
         results.append(UpsertResult(ids[key], key in created))
         created.discard(key)
     return results
+
+
+async def confirm_membership(
+    conn: Conn, account_id: int, list_id: int, subscriber_id: int
+) -> tuple[bool, str, str] | None:
+    """Confirm a pending membership (double opt-in): (changed now, list name, status); None: no such membership."""
+    params = {"account_id": account_id, "list_id": list_id, "subscriber_id": subscriber_id}
+    async with conn.transaction():
+        changed = await (await conn.execute(query("confirm_optin"), params)).fetchone()
+        row = await (await conn.execute(query("membership"), params)).fetchone()
+    if row is None:
+        return None
+    return changed is not None, str(row["list_name"]), str(row["status"])

@@ -16,7 +16,7 @@ router = APIRouter(tags=["lists"])
 @router.post("/v1/lists", status_code=201, response_model=ListOut)
 async def create_list(body: ListIn, request: Request, account: CurrentAccount, conn: Db) -> Response:
     async def run() -> Response:
-        list_id = await store.create_list(conn, account.account_id, body.name)
-        return JSONResponse(ListOut(id=list_id, name=body.name).model_dump(), status_code=201)
+        list_id = await store.create_list(conn, account.account_id, body.name, body.opt_in)
+        return JSONResponse(ListOut(id=list_id, name=body.name, opt_in=body.opt_in).model_dump(), status_code=201)
 
     return await idempotent(request, conn, account.account_id, run)

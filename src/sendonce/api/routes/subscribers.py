@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
@@ -19,11 +21,12 @@ from sendonce.api.models import (
     SubscribersOut,
 )
 from sendonce.api.problems import Problem
+from sendonce.api.services import services_of
 from sendonce.domain.addresses import InvalidAddress, parse_address
 from sendonce.domain.states import SubscriberStatus
 from sendonce.store import lists as list_store
 from sendonce.store.database import Conn
-from sendonce.store.subscribers import SubscriberInput, upsert_subscribers
+from sendonce.store.subscribers import OPTIN_PURPOSE, SubscriberInput, upsert_subscribers
 
 router = APIRouter(tags=["subscribers"])
 
@@ -47,7 +50,26 @@ def _list_ids(value: Any) -> list[int]:
     return ids
 
 
-def parse_row(email: Any, name: Any, status: Any, lists: Any) -> SubscriberInput:
+MAX_ATTRIBUTES_BYTES = 8192
+
+
+def _attributes(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RowError("attributes must be an object")
+    if not all(isinstance(k, str) and k.isidentifier() and len(k) <= 64 for k in value):
+        raise RowError("attribute names must be identifiers (letters, digits, _) of at most 64 characters")
+    try:
+        size = len(json.dumps(value))
+    except (TypeError, ValueError):
+        raise RowError("attributes must be JSON values") from None
+    if size > MAX_ATTRIBUTES_BYTES or "\\u0000" in json.dumps(value):
+        raise RowError(f"attributes must be at most {MAX_ATTRIBUTES_BYTES} bytes of JSON, without NUL characters")
+    return value
+
+
+def parse_row(email: Any, name: Any, status: Any, lists: Any, attributes: Any = None) -> SubscriberInput:
     if not isinstance(email, str):
         raise RowError("email is required and must be a string")
     try:
@@ -65,13 +87,32 @@ def parse_row(email: Any, name: Any, status: Any, lists: Any) -> SubscriberInput
         name=name.strip() or None if isinstance(name, str) else None,
         status=SubscriberStatus(status) if status is not None else None,
         list_ids=_list_ids(lists),
+        attributes=_attributes(attributes),
     )
 
 
+def confirm_url_maker(request: Request, account_id: int) -> Callable[[int, int], str]:
+    """Signed links that confirm a double opt-in membership."""
+    services = services_of(request)
+
+    def make(list_id: int, subscriber_id: int) -> str:
+        token = services.keys.sign(OPTIN_PURPOSE, {"a": account_id, "l": list_id, "s": subscriber_id})
+        return f"{services.settings.public_url.rstrip('/')}/v1/lists/confirm?token={token}"
+
+    return make
+
+
 async def _apply(
-    conn: Conn, account_id: int, parsed: list[tuple[int, SubscriberInput]]
+    conn: Conn,
+    account_id: int,
+    parsed: list[tuple[int, SubscriberInput]],
+    *,
+    preconfirm: bool,
+    confirm_url: Callable[[int, int], str],
 ) -> list[tuple[int, SubscriberInput, int, bool]]:
-    results = await upsert_subscribers(conn, account_id, [row for _, row in parsed])
+    results = await upsert_subscribers(
+        conn, account_id, [row for _, row in parsed], preconfirm=preconfirm, confirm_url=confirm_url
+    )
     return [(index, row, r.subscriber_id, r.created) for (index, row), r in zip(parsed, results, strict=True)]
 
 
@@ -81,15 +122,15 @@ async def upsert(body: SubscribersIn, request: Request, account: CurrentAccount,
 
     200 when at least one row was written (check ``errors``), 422 when every row was bad (nothing written).
     """
-    return await idempotent(request, conn, account.account_id, lambda: _upsert(body, account.account_id, conn))
+    return await idempotent(request, conn, account.account_id, lambda: _upsert(body, account.account_id, conn, request))
 
 
-async def _upsert(body: SubscribersIn, account_id: int, conn: Conn) -> Response:
+async def _upsert(body: SubscribersIn, account_id: int, conn: Conn, request: Request) -> Response:
     results: list[SubscriberResult | None] = [None] * len(body.subscribers)
     parsed: list[tuple[int, SubscriberInput]] = []
     for index, row in enumerate(body.subscribers):
         try:
-            parsed.append((index, parse_row(row.email, row.name, row.status, row.lists)))
+            parsed.append((index, parse_row(row.email, row.name, row.status, row.lists, row.attributes)))
         except RowError as exc:
             email = row.email if isinstance(row.email, str) else None
             results[index] = SubscriberResult(index=index, email=email, result="error", error=str(exc))
@@ -103,7 +144,14 @@ async def _upsert(body: SubscribersIn, account_id: int, conn: Conn) -> Response:
             )
         else:
             good.append((index, sub))
-    for index, sub, subscriber_id, created in await _apply(conn, account_id, good) if good else []:
+    applied = (
+        await _apply(
+            conn, account_id, good, preconfirm=body.preconfirm, confirm_url=confirm_url_maker(request, account_id)
+        )
+        if good
+        else []
+    )
+    for index, sub, subscriber_id, created in applied:
         results[index] = SubscriberResult(
             index=index, email=sub.address.given, result="created" if created else "updated", id=subscriber_id
         )
@@ -129,17 +177,18 @@ async def import_csv(
     account: CurrentAccount,
     conn: Db,
     list_id: Annotated[int, Query(alias="list", ge=1, le=BIGINT_MAX)],
+    preconfirm: bool = False,
 ) -> Response:
-    """Import a CSV with an ``email`` column (optional ``name`` and ``status``) into a list.
+    """Import a CSV with an ``email`` column into a list; ``name`` and ``status`` columns are read too,
+    and every other column becomes a subscriber attribute (a string).
 
     Good rows are kept, bad rows reported by line; 422 (nothing written) when no row is good.
     """
-    return await idempotent(
-        request, conn, account.account_id, lambda: _import(request, account.account_id, conn, list_id)
-    )
+    aid = account.account_id
+    return await idempotent(request, conn, aid, lambda: _import(request, aid, conn, list_id, preconfirm))
 
 
-async def _import(request: Request, account_id: int, conn: Conn, list_id: int) -> Response:
+async def _import(request: Request, account_id: int, conn: Conn, list_id: int, preconfirm: bool) -> Response:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in ("text/csv", "application/csv", "text/plain"):
         raise Problem(415, "send the file as text/csv")
@@ -174,6 +223,7 @@ async def _import(request: Request, account_id: int, conn: Conn, list_id: int) -
                         row.get("name") or None,
                         row.get("status") or None,
                         [list_id],
+                        {k: v for k, v in row.items() if k not in ("email", "name", "status") and v} or None,
                     ),
                 )
             )
@@ -183,7 +233,10 @@ async def _import(request: Request, account_id: int, conn: Conn, list_id: int) -
     updated_ids: set[int] = set()
     for start in range(0, len(pending), IMPORT_CHUNK):
         chunk = pending[start : start + IMPORT_CHUNK]
-        for _, _, subscriber_id, was_created in await _apply(conn, account_id, chunk):
+        applied = await _apply(
+            conn, account_id, chunk, preconfirm=preconfirm, confirm_url=confirm_url_maker(request, account_id)
+        )
+        for _, _, subscriber_id, was_created in applied:
             (created_ids if was_created else updated_ids).add(subscriber_id)
     created, updated = len(created_ids), len(updated_ids - created_ids)
     if not pending:

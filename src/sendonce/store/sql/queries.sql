@@ -30,9 +30,9 @@ RETURNING account_id, name, from_email, from_name, signup_window, signup_list_id
           dkim_domain, dkim_selector, dkim_key_file, dkim_key_env;
 
 -- create_list --
--- A new list.
-INSERT INTO sendonce.lists (account_id, name)
-VALUES (%(account_id)s, %(name)s)
+-- A new list, single or double opt-in.
+INSERT INTO sendonce.lists (account_id, name, opt_in)
+VALUES (%(account_id)s, %(name)s, %(opt_in)s)
 RETURNING list_id;
 
 -- existing_lists --
@@ -43,10 +43,11 @@ SELECT list_id
 
 -- insert_subscribers --
 -- New subscribers; addresses that exist already are left for update_subscribers.
-INSERT INTO sendonce.subscribers (account_id, email, email_key, name, status)
-SELECT %(account_id)s, u.email, u.email_key, u.name, coalesce(u.status, 'confirmed')
+INSERT INTO sendonce.subscribers (account_id, email, email_key, name, status, attributes)
+SELECT %(account_id)s, u.email, u.email_key, u.name, coalesce(u.status, 'confirmed'), coalesce(u.attributes, '{}')
   FROM unnest(%(emails)s::text[], %(email_keys)s::text[], %(names)s::text[],
-              %(statuses)s::sendonce.subscriber_status[]) AS u(email, email_key, name, status)
+              %(statuses)s::sendonce.subscriber_status[], %(attributes)s::jsonb[])
+       AS u(email, email_key, name, status, attributes)
 ON CONFLICT (account_id, email_key) DO NOTHING
 RETURNING subscriber_id, email_key;
 
@@ -56,18 +57,54 @@ RETURNING subscriber_id, email_key;
 UPDATE sendonce.subscribers s
    SET name = coalesce(u.name, s.name),
        status = coalesce(u.status, s.status),
+       attributes = s.attributes || coalesce(u.attributes, '{}'),
        updated_at = now()
   FROM unnest(%(email_keys)s::text[], %(names)s::text[],
-              %(statuses)s::sendonce.subscriber_status[]) AS u(email_key, name, status)
+              %(statuses)s::sendonce.subscriber_status[], %(attributes)s::jsonb[])
+       AS u(email_key, name, status, attributes)
  WHERE s.account_id = %(account_id)s AND s.email_key = u.email_key
 RETURNING s.subscriber_id, s.email_key;
 
 -- add_memberships --
--- List memberships; an existing one (even unsubscribed) is left as it is.
+-- List memberships; an existing one (even unsubscribed) is left as it is. A new membership of a
+-- double opt-in list is pending until its confirmation link is used, unless the caller vouches for
+-- the consent (preconfirm). Returns the new pending memberships: each needs its confirmation mail.
 INSERT INTO sendonce.list_members (account_id, list_id, subscriber_id, status)
-SELECT %(account_id)s, u.list_id, u.subscriber_id, 'confirmed'
+SELECT %(account_id)s, u.list_id, u.subscriber_id,
+       CASE WHEN l.opt_in = 'double' AND NOT %(preconfirm)s THEN 'pending' ELSE 'confirmed' END::sendonce.membership_status
   FROM unnest(%(list_ids)s::bigint[], %(subscriber_ids)s::bigint[]) AS u(list_id, subscriber_id)
-ON CONFLICT (account_id, list_id, subscriber_id) DO NOTHING;
+  JOIN sendonce.lists l ON l.account_id = %(account_id)s AND l.list_id = u.list_id
+ON CONFLICT (account_id, list_id, subscriber_id) DO NOTHING
+RETURNING list_id, subscriber_id, status;
+
+-- enqueue_optin_confirmations --
+-- The confirmation mail of each new pending membership, through the outbox. The job id names the
+-- membership, so however often the subscriber is added, one confirmation mail is queued.
+INSERT INTO sendonce.deliveries (account_id, job_id, kind, priority, email, email_key, payload)
+SELECT %(account_id)s, 'optin:' || u.list_id || ':' || u.subscriber_id, 'list_confirmation_requested', 0,
+       s.email, s.email_key,
+       jsonb_build_object('list_id', u.list_id, 'list_name', l.name, 'subscriber_id', u.subscriber_id,
+                          'name', s.name, 'confirm_url', u.url)
+  FROM unnest(%(list_ids)s::bigint[], %(subscriber_ids)s::bigint[], %(urls)s::text[]) AS u(list_id, subscriber_id, url)
+  JOIN sendonce.subscribers s ON s.account_id = %(account_id)s AND s.subscriber_id = u.subscriber_id
+  JOIN sendonce.lists l ON l.account_id = %(account_id)s AND l.list_id = u.list_id
+ON CONFLICT DO NOTHING
+RETURNING delivery_id;
+
+-- confirm_optin --
+-- CAS pending -> confirmed for one membership. No row: confirmed already (or left, or unknown).
+UPDATE sendonce.list_members
+   SET status = 'confirmed', updated_at = now()
+ WHERE account_id = %(account_id)s AND list_id = %(list_id)s AND subscriber_id = %(subscriber_id)s
+   AND status = 'pending'
+RETURNING list_id;
+
+-- membership --
+-- One membership, with its list's name.
+SELECT m.status, l.name AS list_name
+  FROM sendonce.list_members m
+  JOIN sendonce.lists l ON l.account_id = m.account_id AND l.list_id = m.list_id
+ WHERE m.account_id = %(account_id)s AND m.list_id = %(list_id)s AND m.subscriber_id = %(subscriber_id)s;
 
 -- create_campaign --
 -- A new campaign, as a draft.
