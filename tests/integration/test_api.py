@@ -301,3 +301,35 @@ def test_an_unreachable_database_gets_a_503_that_can_be_retried(database_url: st
         proxy.heal()
         assert c.post("/v1/lists", json={"name": "after"}, headers=auth).status_code == 201
     assert _count(database_url, "SELECT count(*) FROM sendonce.lists") == 2
+
+
+def test_suppression_import_and_export(client: httpx.Client, database_url: str) -> None:
+    auth = _account(client)
+    client.post("/v1/suppressions", json={"email": "old@example.test", "reason": "complaint"}, headers=auth)
+    csv_body = b"Email,Reason\nann@example.test,bounce\nOLD@example.test,manual\nnot-an-address,\nbob@example.test,\nzed@example.test,whim\n"
+    response = client.post(
+        "/v1/suppressions/import",
+        content=csv_body,
+        headers={**auth, "Content-Type": "text/csv"},
+        params={"reason": "manual"},
+    )
+    assert response.status_code == 200, response.text
+    assert {k: response.json()[k] for k in ("added", "existing", "errors")} == {"added": 2, "existing": 1, "errors": 2}
+    export = client.get("/v1/suppressions/export", headers=auth)
+    assert export.status_code == 200 and export.headers["content-type"].startswith("text/csv")
+    lines = export.text.strip().splitlines()
+    assert lines[0] == "email,email_key,reason,created_at"
+    assert sorted(line.split(",")[1:3] for line in lines[1:]) == [
+        ["ann@example.test", "bounce"],
+        ["bob@example.test", "manual"],
+        ["old@example.test", "complaint"],
+    ]
+    other = _account(client, "other")
+    assert client.get("/v1/suppressions/export", headers=other).text.strip() == "email,email_key,reason,created_at"
+    _problem(
+        client.post("/v1/suppressions/import", content=b"name\nx\n", headers={**auth, "Content-Type": "text/csv"}), 422
+    )
+    _problem(
+        client.post("/v1/suppressions/import", content=b"email\nnope\n", headers={**auth, "Content-Type": "text/csv"}),
+        422,
+    )

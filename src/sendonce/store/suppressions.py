@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from typing import Any
+
 from sendonce.domain.addresses import Address
 from sendonce.domain.states import SuppressionReason
 from sendonce.store.database import Conn
@@ -20,3 +23,27 @@ async def add_suppression(conn: Conn, account_id: int, address: Address, reason:
 async def delete_suppression(conn: Conn, account_id: int, address: Address) -> bool:
     cursor = await conn.execute(query("delete_suppression"), {"account_id": account_id, "email_key": address.key})
     return await cursor.fetchone() is not None
+
+
+async def import_suppressions(conn: Conn, account_id: int, rows: list[tuple[Address, SuppressionReason]]) -> int:
+    """Suppress ``rows`` in one statement; returns how many were new."""
+    if not rows:
+        return 0
+    cursor = await conn.execute(
+        query("import_suppressions"),
+        {
+            "account_id": account_id,
+            "email_keys": [a.key for a, _ in rows],
+            "emails": [a.given for a, _ in rows],
+            "reasons": [r.value for _, r in rows],
+        },
+    )
+    return len(await cursor.fetchall())
+
+
+async def export_suppressions(conn: Conn, account_id: int) -> AsyncIterator[dict[str, Any]]:
+    """Every suppression of the account, streamed from a server-side cursor."""
+    async with conn.transaction(), conn.cursor(name="suppressions_export") as cursor:
+        await cursor.execute(query("export_suppressions"), {"account_id": account_id})
+        async for row in cursor:
+            yield row

@@ -814,3 +814,19 @@ UPDATE sendonce.deliveries d
  WHERE d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
    AND d.status = 'sending'
 RETURNING d.delivery_id;
+
+-- import_suppressions --
+-- Suppress many addresses at once; those suppressed already keep their first reason.
+INSERT INTO sendonce.suppressions (account_id, email_key, email, reason)
+SELECT %(account_id)s, u.email_key, u.email, u.reason
+  FROM unnest(%(email_keys)s::text[], %(emails)s::text[], %(reasons)s::sendonce.suppression_reason[])
+       AS u(email_key, email, reason)
+ON CONFLICT (account_id, email_key) DO NOTHING
+RETURNING email_key;
+
+-- export_suppressions --
+-- Every suppression of an account, oldest first.
+SELECT email, email_key, reason, created_at
+  FROM sendonce.suppressions
+ WHERE account_id = %(account_id)s
+ ORDER BY created_at, email_key;
