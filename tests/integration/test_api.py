@@ -306,7 +306,10 @@ def test_an_unreachable_database_gets_a_503_that_can_be_retried(database_url: st
 def test_suppression_import_and_export(client: httpx.Client, database_url: str) -> None:
     auth = _account(client)
     client.post("/v1/suppressions", json={"email": "old@example.test", "reason": "complaint"}, headers=auth)
-    csv_body = b"Email,Reason\nann@example.test,bounce\nOLD@example.test,manual\nnot-an-address,\nbob@example.test,\nzed@example.test,whim\n"
+    csv_body = (
+        b"Email,Reason\nann@example.test,bounce\nOLD@example.test,manual\nnot-an-address,\n"
+        b"bob@example.test,\nzed@example.test,whim\n"
+    )
     response = client.post(
         "/v1/suppressions/import",
         content=csv_body,

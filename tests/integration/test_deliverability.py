@@ -498,3 +498,77 @@ async def test_subscriber_attributes_reach_templates(database_url: str, client: 
         "city": "Lyon",
         "plan": "team",
     }
+
+
+# -- templates ----------------------------------------------------------------------------------------
+
+
+async def test_templates_css_text_preview_and_missing_variables_at_approve(
+    database_url: str, client: httpx.Client, inbox: Inbox
+) -> None:
+    body = client.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
+    auth = {"Authorization": f"Bearer {body['api_key']}"}
+    html = (
+        "<html><head><style>.hi { color: #c00; font-weight: bold }</style></head><body>"
+        "<p class='hi'>Hello {{ name }}</p><p>Your city: {{ attributes.city }}</p></body></html>"
+    )
+    template = client.post("/v1/templates", json={"name": "t", "subject": "For {{ name }}", "html": html}, headers=auth)
+    assert template.status_code == 201, template.text
+    tid = template.json()["id"]
+    escape = client.post(
+        "/v1/templates",
+        json={"name": "x", "subject": "s", "text": "{{ ''.__class__.__mro__[1].__subclasses__() }}"},
+        headers=auth,
+    )
+    assert escape.status_code == 422 and "sandbox" in escape.json()["detail"]
+    assert (
+        client.post(
+            "/v1/templates", json={"name": "x", "subject": "s", "text": "{% include '/etc/passwd' %}"}, headers=auth
+        ).status_code
+        == 422
+    )
+    lst = client.post("/v1/lists", json={"name": "l"}, headers=auth).json()["id"]
+    rows = [
+        {"email": "ann@example.test", "name": "Ann", "lists": [lst], "attributes": {"city": "Lyon"}},
+        {"email": "bob@example.test", "name": "Bob", "lists": [lst]},  # no city
+    ]
+    client.post("/v1/subscribers", json={"subscribers": rows}, headers=auth)
+    shown = client.post(f"/v1/templates/{tid}/preview", json={"email": "ann@example.test"}, headers=auth)
+    assert shown.status_code == 200, shown.text
+    preview = shown.json()
+    assert preview["subject"] == "For Ann"
+    assert 'style="color: #c00;font-weight: bold;"' in preview["html"].replace("; ", ";")
+    assert "Hello Ann" in preview["text"] and "Your city: Lyon" in preview["text"]
+    missing = client.post(f"/v1/templates/{tid}/preview", json={"email": "bob@example.test"}, headers=auth)
+    assert missing.status_code == 422 and "city" in missing.json()["detail"]
+
+    cid = client.post("/v1/campaigns", json={"name": "c", "template_id": tid, "lists": [lst]}, headers=auth).json()[
+        "id"
+    ]
+    refused = client.post(f"/v1/campaigns/{cid}/approve", headers=auth)
+    assert refused.status_code == 422 and refused.json()["type"].endswith("template-variable-missing")
+    assert "bob@example.test" in refused.json()["detail"]
+    assert client.get(f"/v1/campaigns/{cid}", headers=auth).json()["status"] == "draft"  # nothing changed
+    client.post(
+        "/v1/subscribers",
+        json={"subscribers": [{"email": "bob@example.test", "attributes": {"city": "Oslo"}}]},
+        headers=auth,
+    )
+    assert client.post(f"/v1/campaigns/{cid}/approve", headers=auth).status_code == 200
+    await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN)
+    bob = next(m for m in inbox.messages if m.rcpt_to == ("bob@example.test",)).parsed()
+    assert bob["Subject"] == "For Bob"
+    assert "Your city: Oslo" in bob.get_body(("plain",)).get_content()
+    assert "color: #c00" in bob.get_body(("html",)).get_content()
+
+    guarded = client.post(
+        "/v1/campaigns",
+        json={
+            "name": "g",
+            "subject": "s",
+            "text": "{% if attributes.vip is defined %}VIP{% endif %} hi",
+            "lists": [lst],
+        },
+        headers=auth,
+    ).json()["id"]
+    assert client.post(f"/v1/campaigns/{guarded}/approve", headers=auth).status_code == 200

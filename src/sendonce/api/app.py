@@ -26,6 +26,7 @@ from sendonce.api.routes import (
     signups,
     subscribers,
     suppressions,
+    templates,
     unsubscribe,
     webhooks,
 )
@@ -100,6 +101,7 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
         subscribers,
         campaigns,
         suppressions,
+        templates,
         signups,
         outbox,
         unsubscribe,

@@ -75,10 +75,15 @@ class SubscribersOut(BaseModel):
 
 class CampaignIn(BaseModel):
     name: Name
-    subject: Annotated[str, StringConstraints(min_length=1, max_length=998)]
-    text: Annotated[str, StringConstraints(min_length=1, max_length=1_000_000)]
+    subject: Annotated[str, StringConstraints(min_length=1, max_length=998)] | None = None
+    text: Annotated[str, StringConstraints(min_length=1, max_length=1_000_000)] | None = None
     html: Annotated[str, StringConstraints(max_length=2_000_000)] | None = None
+    template_id: Id | None = Field(default=None, description="copy subject, text and html from a stored template")
     lists: Annotated[list[Id], Field(min_length=1, max_length=100)]
+    max_bounce_rate: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        default=None, description="pause the campaign when its hard-bounce rate passes this (default: the server's)"
+    )
+    max_complaint_rate: Annotated[float, Field(ge=0, le=1)] | None = None
 
 
 class ApproveIn(BaseModel):

@@ -17,7 +17,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from sendonce.delivery.render import CompiledTemplate, TemplateError, compile_template
+from sendonce.delivery.render import CompiledTemplate, TemplateError, compile_template, inline_css
 from sendonce.domain.addresses import parse_address
 from sendonce.domain.dkim import DkimKey
 from sendonce.domain.jobs import JOB_ID_HEADER, message_id
@@ -119,12 +119,36 @@ class CampaignContent:
 def compile_campaign(
     *, subject: str, text: str, html: str | None
 ) -> tuple[CompiledTemplate, CompiledTemplate, CompiledTemplate | None]:
-    """Compile a campaign's three templates, checking their variables. Raises TemplateError."""
+    """Compile a campaign's three templates, checking their variables (CSS of the HTML inlined,
+    once). Raises TemplateError."""
     return (
         compile_template(subject, field="subject", allowed=CAMPAIGN_VARIABLES),
         compile_template(text, field="text", allowed=CAMPAIGN_VARIABLES),
-        compile_template(html, html=True, field="html", allowed=CAMPAIGN_VARIABLES) if html is not None else None,
+        compile_template(inline_css(html), html=True, field="html", allowed=CAMPAIGN_VARIABLES)
+        if html is not None
+        else None,
     )
+
+
+def campaign_context(
+    *,
+    email: str,
+    name: str | None,
+    attributes: dict[str, Any] | None,
+    subscriber_id: int | None,
+    campaign_id: int | None,
+    campaign_name: str,
+    unsubscribe_url: str,
+) -> dict[str, Any]:
+    """What a campaign template sees for one recipient."""
+    return {
+        "email": email,
+        "name": name or "",
+        "attributes": attributes or {},
+        "subscriber": {"id": subscriber_id, "email": email, "name": name or "", "attributes": attributes or {}},
+        "campaign": {"id": campaign_id, "name": campaign_name},
+        "unsubscribe_url": unsubscribe_url,
+    }
 
 
 def wire_address(text: str) -> tuple[str, bool]:
@@ -274,19 +298,15 @@ class Composer:
         assert delivery.subscriber_id is not None
         token = self.links.unsubscribe_token(delivery.account_id, delivery.subscriber_id, content.campaign_id)
         unsubscribe_url = self.links.unsubscribe_url(token)
-        context: dict[str, Any] = {
-            "email": delivery.email,
-            "name": delivery.name or "",
-            "attributes": delivery.attributes or {},
-            "subscriber": {
-                "id": delivery.subscriber_id,
-                "email": delivery.email,
-                "name": delivery.name or "",
-                "attributes": delivery.attributes or {},
-            },
-            "campaign": {"id": content.campaign_id, "name": content.name},
-            "unsubscribe_url": unsubscribe_url,
-        }
+        context = campaign_context(
+            email=delivery.email,
+            name=delivery.name,
+            attributes=delivery.attributes,
+            subscriber_id=delivery.subscriber_id,
+            campaign_id=content.campaign_id,
+            campaign_name=content.name,
+            unsubscribe_url=unsubscribe_url,
+        )
         text = content.text.render(context)
         html = content.html.render(context) if content.html is not None else None
         if not content.uses_unsubscribe_url:

@@ -71,3 +71,64 @@ def compile_template(
         # No per-recipient input: render once, now.
         return CompiledTemplate(source, variables, None, CompiledTemplate(source, variables, template, None).render({}))
     return CompiledTemplate(source, variables, template, None)
+
+
+def html_to_text(html: str) -> str:
+    """A readable text part from an HTML template (links kept as ``[text](url)``); template tags survive."""
+    import html2text
+
+    converter = html2text.HTML2Text()
+    converter.body_width = 0
+    converter.ignore_images = True
+    converter.unicode_snob = True
+    return str(converter.handle(html)).strip() + "\n"
+
+
+def inline_css(html: str) -> str:
+    """Move <style> rules into style="" attributes (what mail clients honour). Template tags survive:
+    css-inline leaves text nodes and attribute values alone; if it ever changed the variables a
+    template uses, the original is kept."""
+    import css_inline
+
+    if "<style" not in html.lower():
+        return html
+    inlined = str(css_inline.inline(html))
+    try:
+        before = meta.find_undeclared_variables(_HTML.parse(html))
+        after = meta.find_undeclared_variables(_HTML.parse(inlined))
+    except jinja2.TemplateSyntaxError:
+        return html
+    return inlined if before == after else html
+
+
+def attribute_keys(*sources: str | None) -> set[str]:
+    """The subscriber attribute names templates read: ``attributes.x``, ``attributes['x']``,
+    ``subscriber.attributes.x``."""
+    from jinja2 import nodes
+
+    keys: set[str] = set()
+    for source in sources:
+        if not source:
+            continue
+        try:
+            tree = _TEXT.parse(source)
+        except jinja2.TemplateSyntaxError:
+            continue
+        for node in tree.find_all((nodes.Getattr, nodes.Getitem)):
+            assert isinstance(node, nodes.Getattr | nodes.Getitem)
+            target = node.node
+            is_attributes = (isinstance(target, nodes.Name) and target.name == "attributes") or (
+                isinstance(target, nodes.Getattr)
+                and target.attr == "attributes"
+                and isinstance(target.node, nodes.Name)
+                and target.node.name == "subscriber"
+            )
+            if not is_attributes:
+                continue
+            if isinstance(node, nodes.Getattr):
+                keys.add(node.attr)
+            elif isinstance(node, nodes.Getitem):
+                arg = node.arg
+                if isinstance(arg, nodes.Const) and isinstance(arg.value, str):
+                    keys.add(arg.value)
+    return keys

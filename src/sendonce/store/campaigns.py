@@ -27,6 +27,8 @@ class Campaign:
     finished_at: datetime | None
     built_at: datetime | None
     created_at: datetime
+    template_id: int | None = None
+    paused_reason: str | None = None
     list_ids: list[int] = field(default_factory=list)
 
     @classmethod
@@ -66,6 +68,9 @@ async def create_campaign(
     from_email: str,
     from_name: str | None,
     list_ids: list[int],
+    template_id: int | None = None,
+    max_bounce_rate: float | None = None,
+    max_complaint_rate: float | None = None,
 ) -> int:
     async with conn.transaction():
         cursor = await conn.execute(
@@ -78,6 +83,9 @@ async def create_campaign(
                 "html_body": html_body,
                 "from_email": from_email,
                 "from_name": from_name,
+                "template_id": template_id,
+                "max_bounce_rate": max_bounce_rate,
+                "max_complaint_rate": max_complaint_rate,
             },
         )
         row = await cursor.fetchone()
@@ -137,5 +145,15 @@ async def list_possible_duplicates(
     cursor = await conn.execute(
         query("list_possible_duplicates"),
         {"account_id": account_id, "campaign_id": campaign_id, "limit": limit},
+    )
+    return list(await cursor.fetchall())
+
+
+async def recipients_missing_attributes(
+    conn: Conn, account_id: int, campaign_id: int, keys: list[str], limit: int = 1000
+) -> list[dict[str, Any]]:
+    cursor = await conn.execute(
+        query("recipients_missing_attributes"),
+        {"account_id": account_id, "campaign_id": campaign_id, "keys": keys, "limit": limit},
     )
     return list(await cursor.fetchall())

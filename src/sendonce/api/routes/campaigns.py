@@ -13,11 +13,13 @@ from sendonce.api.deps import CurrentAccount, Db
 from sendonce.api.idempotency import idempotent
 from sendonce.api.models import BIGINT_MAX, ApproveIn, CampaignIn, CampaignOut, Counts
 from sendonce.api.problems import Problem
-from sendonce.delivery.compose import compile_campaign
-from sendonce.delivery.render import TemplateError
+from sendonce.api.routes.templates import check_content
+from sendonce.delivery.compose import campaign_context, compile_campaign
+from sendonce.delivery.render import TemplateError, attribute_keys
 from sendonce.domain.states import CAMPAIGN_TRANSITIONS, CampaignStatus
 from sendonce.store import campaigns as store
 from sendonce.store import lists as list_store
+from sendonce.store import templates as template_store
 
 router = APIRouter(tags=["campaigns"])
 
@@ -26,18 +28,21 @@ CampaignId = Annotated[int, Path(ge=1, le=BIGINT_MAX)]
 
 @router.post("/v1/campaigns", status_code=201, response_model=CampaignOut)
 async def create_campaign(body: CampaignIn, request: Request, account: CurrentAccount, conn: Db) -> Response:
-    try:
-        compile_campaign(subject=body.subject, text=body.text, html=body.html)
-    except TemplateError as exc:
-        raise Problem(422, str(exc)) from None
-    for field, value in (
-        ("name", body.name),
-        ("subject", body.subject),
-        ("text", body.text),
-        ("html", body.html),
-    ):
-        if value is not None and "\x00" in value:
-            raise Problem(422, f"{field} must not contain NUL characters")
+    """Create a draft: inline ``subject``/``text``/``html``, or ``template_id`` (its content is copied;
+    fields given here override it). A missing text part is generated from the HTML."""
+    subject, text, html = body.subject, body.text, body.html
+    if body.template_id is not None:
+        template = await template_store.get_template(conn, account.account_id, body.template_id)
+        if template is None:
+            raise Problem(422, f"unknown template id: {body.template_id}")
+        subject = subject or template["subject"]
+        if text is None and html is None:
+            text, html = template["text_body"], template["html_body"]
+    if subject is None:
+        raise Problem(422, "subject is required (or a template_id)")
+    if "\x00" in body.name:
+        raise Problem(422, "name must not contain NUL characters")
+    text, html = check_content(subject, text, html)
     unknown = sorted(set(body.lists) - await list_store.existing_lists(conn, account.account_id, body.lists))
     if unknown:
         raise Problem(
@@ -51,12 +56,15 @@ async def create_campaign(body: CampaignIn, request: Request, account: CurrentAc
             conn,
             account_id=account.account_id,
             name=body.name,
-            subject=body.subject,
-            text_body=body.text,
-            html_body=body.html,
+            subject=subject,
+            text_body=text,
+            html_body=html,
             from_email=account.from_email,
             from_name=account.from_name,
             list_ids=body.lists,
+            template_id=body.template_id,
+            max_bounce_rate=body.max_bounce_rate,
+            max_complaint_rate=body.max_complaint_rate,
         )
         out = CampaignOut(id=campaign_id, name=body.name, status=CampaignStatus.DRAFT, lists=sorted(set(body.lists)))
         return JSONResponse(out.model_dump(mode="json"), status_code=201)
@@ -90,7 +98,51 @@ async def _transition(
     return await idempotent(request, conn, account_id, run)
 
 
+async def _check_recipients_can_be_rendered(conn: Db, account_id: int, campaign_id: int) -> None:
+    """A template variable missing for some recipients is an error now, not a blank in a sent mail."""
+    campaign = await store.get_campaign(conn, account_id, campaign_id)
+    if campaign is None or campaign.status.value != "draft":
+        return  # the CAS reports it
+    keys = sorted(attribute_keys(campaign.subject, campaign.text_body, campaign.html_body))
+    if not keys:
+        return
+    lacking = await store.recipients_missing_attributes(conn, account_id, campaign_id, keys)
+    if not lacking:
+        return
+    subject, text, html = compile_campaign(subject=campaign.subject, text=campaign.text_body, html=campaign.html_body)
+    failures: list[tuple[str, str]] = []
+    for row in lacking[:50]:
+        context = campaign_context(
+            email=row["email"],
+            name=row["name"],
+            attributes=row["attributes"],
+            subscriber_id=row["subscriber_id"],
+            campaign_id=campaign_id,
+            campaign_name=campaign.name,
+            unsubscribe_url="https://example.com/u/check",
+        )
+        try:
+            for template in (subject, text, html):
+                if template is not None:
+                    template.render(context)
+        except TemplateError as exc:
+            failures.append((row["email"], str(exc)))
+    if failures:
+        count = f"{len(lacking)}{'+' if len(lacking) >= 1000 else ''}"
+        examples = ", ".join(email for email, _ in failures[:3])
+        raise Problem(
+            422,
+            f"the templates cannot be rendered for {count} recipient(s) lacking attribute(s) {', '.join(keys)} "
+            f"(e.g. {examples}): {failures[0][1]}. Add the attribute to them, or guard it in the template "
+            "(e.g. {% if attributes.x is defined %} or {{ attributes.x | default('') }})",
+            kind="template-variable-missing",
+            title="Template variable missing",
+        )
+
+
 async def _cas(conn: Db, account_id: int, campaign_id: int, action: str, body: ApproveIn | None) -> CampaignOut:
+    if action == "approve":
+        await _check_recipients_can_be_rendered(conn, account_id, campaign_id)
     scheduled_for = None
     if body is not None and body.scheduled_for is not None:
         scheduled_for = body.scheduled_for

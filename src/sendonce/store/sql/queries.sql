@@ -108,8 +108,10 @@ SELECT m.status, l.name AS list_name
 
 -- create_campaign --
 -- A new campaign, as a draft.
-INSERT INTO sendonce.campaigns (account_id, name, subject, text_body, html_body, from_email, from_name)
-VALUES (%(account_id)s, %(name)s, %(subject)s, %(text_body)s, %(html_body)s, %(from_email)s, %(from_name)s)
+INSERT INTO sendonce.campaigns (account_id, name, subject, text_body, html_body, from_email, from_name,
+                                template_id, max_bounce_rate, max_complaint_rate)
+VALUES (%(account_id)s, %(name)s, %(subject)s, %(text_body)s, %(html_body)s, %(from_email)s, %(from_name)s,
+        %(template_id)s, %(max_bounce_rate)s, %(max_complaint_rate)s)
 RETURNING campaign_id, status;
 
 -- add_campaign_lists --
@@ -122,6 +124,7 @@ ON CONFLICT DO NOTHING;
 -- One campaign, with its content and lists.
 SELECT c.account_id, c.campaign_id, c.name, c.subject, c.text_body, c.html_body, c.from_email,
        c.from_name, c.status, c.scheduled_for, c.started_at, c.finished_at, c.built_at, c.created_at,
+       c.template_id, c.paused_reason,
        ARRAY(SELECT l.list_id FROM sendonce.campaign_lists l
               WHERE l.account_id = c.account_id AND l.campaign_id = c.campaign_id
               ORDER BY l.list_id) AS list_ids
@@ -830,3 +833,45 @@ SELECT email, email_key, reason, created_at
   FROM sendonce.suppressions
  WHERE account_id = %(account_id)s
  ORDER BY created_at, email_key;
+
+-- create_template --
+-- A stored template.
+INSERT INTO sendonce.templates (account_id, name, subject, text_body, html_body)
+VALUES (%(account_id)s, %(name)s, %(subject)s, %(text_body)s, %(html_body)s)
+RETURNING template_id, created_at, updated_at;
+
+-- get_template --
+-- One stored template.
+SELECT template_id, name, subject, text_body, html_body, created_at, updated_at
+  FROM sendonce.templates
+ WHERE account_id = %(account_id)s AND template_id = %(template_id)s;
+
+-- update_template --
+-- Replace a stored template's content (campaigns keep the copy they were created with).
+UPDATE sendonce.templates
+   SET name = %(name)s, subject = %(subject)s, text_body = %(text_body)s, html_body = %(html_body)s,
+       updated_at = now()
+ WHERE account_id = %(account_id)s AND template_id = %(template_id)s
+RETURNING template_id, created_at, updated_at;
+
+-- get_subscriber --
+-- One subscriber, for a template preview.
+SELECT subscriber_id, email, name, attributes
+  FROM sendonce.subscribers
+ WHERE account_id = %(account_id)s
+   AND (subscriber_id = %(subscriber_id)s::bigint OR email_key = %(email_key)s::text);
+
+-- recipients_missing_attributes --
+-- Recipients a campaign would reach that lack one of the attributes its templates use.
+SELECT s.subscriber_id, s.email, s.name, s.attributes
+  FROM sendonce.subscribers s
+ WHERE s.account_id = %(account_id)s AND s.status = 'confirmed'
+   AND NOT (s.attributes ?& %(keys)s::text[])
+   AND EXISTS (SELECT 1
+                 FROM sendonce.list_members m
+                 JOIN sendonce.campaign_lists cl ON cl.account_id = m.account_id AND cl.list_id = m.list_id
+                WHERE m.account_id = s.account_id AND m.subscriber_id = s.subscriber_id
+                  AND m.status = 'confirmed' AND cl.campaign_id = %(campaign_id)s)
+   AND NOT EXISTS (SELECT 1 FROM sendonce.suppressions x
+                    WHERE x.account_id = s.account_id AND x.email_key = s.email_key)
+ LIMIT %(limit)s;
