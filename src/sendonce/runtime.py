@@ -68,11 +68,20 @@ def keyring(settings: Settings) -> KeyRing:
     else:
         path = settings.home / "secret"
         if not path.exists():
+            # Several processes may start at once: write a complete file aside, then link it into
+            # place, which fails if another process got there first (then its secret is the one).
             settings.home.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            draft = path.with_name(f".secret.{os.getpid()}.{secrets.token_hex(4)}")
+            fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as handle:
                 handle.write(secrets.token_urlsafe(48))
-            logger.warning("SENDONCE_SECRET is not set: created a random one in %s", path)
+            try:
+                os.link(draft, path)
+                logger.warning("SENDONCE_SECRET is not set: created a random one in %s", path)
+            except FileExistsError:
+                pass
+            finally:
+                draft.unlink()
         current = path.read_text().strip().encode()
     previous = settings.secret_previous.get_secret_value().encode() if settings.secret_previous else None
     try:

@@ -64,3 +64,23 @@ def test_templates_cannot_include_files() -> None:
 def test_syntax_errors_name_the_field() -> None:
     with pytest.raises(TemplateError, match=r"subject: template syntax error"):
         compile_campaign(subject="{{ oops", text="x", html=None)
+
+
+def test_concurrent_processes_agree_on_one_generated_secret(tmp_path: object) -> None:
+    import multiprocessing
+    from pathlib import Path
+
+    home = Path(str(tmp_path)) / "home"
+    with multiprocessing.get_context("spawn").Pool(6) as pool:
+        secrets = pool.map(_secret_of, [str(home)] * 6)
+    assert len(set(secrets)) == 1
+    assert sorted(p.name for p in home.iterdir()) == ["secret"]
+
+
+def _secret_of(home: str) -> bytes:
+    from pathlib import Path
+
+    from sendonce.runtime import keyring
+    from sendonce.settings import load_settings
+
+    return keyring(load_settings(home=Path(home))).current
