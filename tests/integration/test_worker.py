@@ -235,7 +235,10 @@ async def test_a_zombie_worker_cannot_complete_rows_taken_over_by_another(databa
             successor_task = asyncio.create_task(successor.run())
             await _wait_status(database_url, setup.account_id, setup.campaign_id, "sent", timeout=60)
             proxy.heal()
-            await asyncio.sleep(1.0)  # the zombie's pending outcomes reach the database now
+            # the zombie's pending outcomes reach the database now, and are refused
+            deadline = time.monotonic() + 30
+            while zombie.stats.fenced_out == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             zombie.stop()
             successor.stop()
             zombie_stats, _ = await asyncio.gather(zombie_task, successor_task)
