@@ -546,6 +546,10 @@ class Worker:
                     if result.recorded is not None:
                         result.recorded.set()
                 failures = 0
+                if not self._held:
+                    # Everything this worker held is recorded: an idle claimer looks again now (a
+                    # campaign may be complete), rather than at its next tick.
+                    self._wake.set()
         finally:
             await lane.reset()
 

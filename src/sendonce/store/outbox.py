@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sendonce.store.database import Conn
 from sendonce.store.queries import query
@@ -92,6 +92,15 @@ def _columns(rows: Sequence[Any], *names: str) -> dict[str, list[Any]]:
     return {f"{name}s": [getattr(row, name) for row in rows] for name in names}
 
 
+T = TypeVar("T", bound="Fenced | SentRecord | RetryRecord | FailedRecord")
+
+
+def _in_key_order(rows: Sequence[T]) -> list[T]:
+    """Statements that update several rows get them in key order, so two workers' statements on
+    overlapping rows (a zombie and its successor) lock them in the same order and cannot deadlock."""
+    return sorted(rows, key=lambda row: (row.account_id, row.delivery_id))
+
+
 async def claim_batch(
     conn: Conn, *, limit: int, lease_seconds: float, worker: str, transport_idempotent: bool
 ) -> list[ClaimedDelivery]:
@@ -111,6 +120,7 @@ async def renew_leases(conn: Conn, held: Sequence[Fenced], lease_seconds: float)
     """Extend the leases still held; returns {key: campaign still sending} for the rows still owned."""
     if not held:
         return {}
+    held = _in_key_order(held)
     cursor = await conn.execute(
         query("renew_leases"),
         {"lease_seconds": lease_seconds, **_columns(held, "account_id", "delivery_id", "attempt")},
@@ -122,6 +132,7 @@ async def record_sent(conn: Conn, items: Sequence[SentRecord]) -> set[Key]:
     """Mark accepted messages sent; returns the rows recorded (the others were fenced out)."""
     if not items:
         return set()
+    items = _in_key_order(items)
     cursor = await conn.execute(
         query("record_sent"),
         _columns(items, "account_id", "delivery_id", "attempt", "message_id", "sent_at"),
@@ -132,6 +143,7 @@ async def record_sent(conn: Conn, items: Sequence[SentRecord]) -> set[Key]:
 async def record_retry(conn: Conn, items: Sequence[RetryRecord]) -> set[Key]:
     if not items:
         return set()
+    items = _in_key_order(items)
     cursor = await conn.execute(
         query("record_retry"),
         {
@@ -154,6 +166,7 @@ async def record_failed(conn: Conn, items: Sequence[FailedRecord]) -> FailedOutc
     """Mark permanent failures; hard bounces also suppress their address, in the same transaction."""
     if not items:
         return FailedOutcome(set(), set())
+    items = _in_key_order(items)
     bounced = {(item.account_id, item.delivery_id) for item in items if item.hard_bounce}
     campaigns: set[tuple[int, int]] = set()
     async with conn.transaction():
@@ -187,6 +200,7 @@ async def defer_claims(conn: Conn, items: Sequence[tuple[Fenced, float]]) -> int
     """Put claimed rows back until ``delay`` seconds from now (a rate limit), fenced."""
     if not items:
         return 0
+    items = sorted(items, key=lambda item: (item[0].account_id, item[0].delivery_id))
     cursor = await conn.execute(
         query("defer_claims"),
         {
@@ -201,6 +215,7 @@ async def release_claims(conn: Conn, items: Sequence[Fenced]) -> int:
     """Give back claimed rows that were never started; returns how many were still ours."""
     if not items:
         return 0
+    items = _in_key_order(items)
     cursor = await conn.execute(query("release_claims"), _columns(items, "account_id", "delivery_id", "attempt"))
     row = await cursor.fetchone()
     return int(row["n"]) if row else 0

@@ -381,14 +381,24 @@ SELECT account_id, delivery_id, job_id, kind, campaign_id, subscriber_id, email,
 
 -- renew_leases --
 -- Extend the leases a worker still holds, fenced by attempt. A row missing from the answer is no
--- longer this worker's: it must not be sent. campaign_active is false when its campaign was paused
--- or cancelled, so the worker can release what it has not started.
+-- longer this worker's (or is being recorded by it right now): it must not be sent. SKIP LOCKED:
+-- a row the worker's own recorder is completing at this moment is skipped rather than waited for,
+-- so renewal and recording never deadlock on rows they take in different orders.
+-- campaign_active is false when its campaign was paused or cancelled, so the worker can release
+-- what it has not started.
+WITH mine AS (
+    SELECT d.account_id, d.delivery_id
+      FROM sendonce.deliveries d
+      JOIN unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[])
+           AS u(account_id, delivery_id, attempt)
+        ON d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
+     WHERE d.status = 'sending'
+       FOR UPDATE OF d SKIP LOCKED
+)
 UPDATE sendonce.deliveries d
    SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s)
-  FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[])
-       AS u(account_id, delivery_id, attempt)
- WHERE d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
-   AND d.status = 'sending'
+  FROM mine
+ WHERE d.account_id = mine.account_id AND d.delivery_id = mine.delivery_id
 RETURNING d.account_id, d.delivery_id,
           (d.campaign_id IS NULL OR EXISTS (SELECT 1 FROM sendonce.campaigns c
                                              WHERE c.account_id = d.account_id
