@@ -44,7 +44,7 @@ from sendonce.store.database import Conn, connect, is_unavailable
 from sendonce.store.feedback import FeedbackPolicy
 from sendonce.store.outbox import ClaimedDelivery, FailedRecord, Fenced, Key, RetryRecord, SentRecord
 from sendonce.store.rate_limits import Rate
-from sendonce.transports.base import Accepted, Channel, Outcome, Permanent, Retry, Transport
+from sendonce.transports.base import Accepted, Channel, Outcome, Permanent, Retry, Transport, Withheld
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +170,35 @@ class _Lane:
                 await conn.close()
 
 
+async def _bounded(call: Awaitable[T], timeout: float) -> T:
+    """Await a database call for at most ``timeout`` seconds, then abandon its connection at once.
+
+    Cancelling a psycopg query makes psycopg try to cancel it on the server too, waiting up to ten
+    seconds for that over the same (dead) path; cancelling it again makes it close the connection
+    instead. A worker cut off from PostgreSQL must give up on a call promptly, not ten seconds late.
+    """
+    task = asyncio.ensure_future(call)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        await _abandon(task)
+        raise
+    if task in done:
+        return task.result()
+    await _abandon(task)
+    raise TimeoutError(f"no answer within {timeout:.0f}s")
+
+
+async def _abandon(task: asyncio.Future[Any]) -> None:
+    for _ in range(40):
+        if task.done():
+            break
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.05)
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved: it is an outage we report as a timeout, not a crash
+
+
 def default_worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{random.randrange(16**4):04x}"
 
@@ -281,8 +310,7 @@ class Worker:
         after ``db_timeout``: the connection is thrown away and the caller retries on a new one.
         """
         try:
-            async with asyncio.timeout(self.config.db_timeout):
-                return await fn(await lane.get(), *args)
+            return await _bounded(self._db_call(lane, fn, *args), self.config.db_timeout)
         except (psycopg.Error, OSError, TimeoutError) as exc:
             if not isinstance(exc, TimeoutError) and not is_unavailable(exc):
                 raise
@@ -294,6 +322,9 @@ class Worker:
             )
             await lane.reset()
             return None
+
+    async def _db_call(self, lane: _Lane, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        return await fn(await lane.get(), *args)
 
     async def _sleep(self, event: asyncio.Event, timeout: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -444,6 +475,11 @@ class Worker:
     async def _sender(self, channel: Channel) -> None:
         loop = asyncio.get_running_loop()
         config = self.config
+        # Without idempotency keys, an accepted message that is not recorded yet is the one a crash
+        # would duplicate. A lane never sends a message's content (SMTP: DATA) while its previous
+        # accepted message is unrecorded, so at any instant each connection has at most one such
+        # message. It may prepare the next one meanwhile (MAIL FROM, RCPT TO): those deliver nothing.
+        unrecorded: asyncio.Event | None = None
         while True:
             held = await self._ready.get()
             self._space.set()
@@ -455,16 +491,8 @@ class Worker:
             if self._stopping or held.release:
                 self._push(_Result(held, None))
                 continue
-            now = loop.time()
-            if now >= held.lease_end - config.margin:
-                # Past this claim's deadline: the lease may be gone. Never start a send now.
-                self.stats.dropped_past_deadline += 1
-                logger.warning(
-                    "%s: claim deadline passed before sending; giving it back",
-                    held.delivery.job_id,
-                    extra={"action": "deadline_passed", "job_id": held.delivery.job_id},
-                )
-                self._push(_Result(held, None))
+            if loop.time() >= held.lease_end - config.margin:
+                self._past_deadline(held)
                 continue
             try:
                 message = self.composer.compose(held.delivery)
@@ -478,9 +506,25 @@ class Worker:
                 continue
             self.faults.hit("before_send")
             held.started = True
-            # The send itself must end before the lease does, whatever the transport's timeout.
+
+            async def gate(held: Held = held, previous: asyncio.Event | None = unrecorded) -> float | None:
+                if previous is not None:
+                    await previous.wait()
+                # Re-checked at the last moment: never send after the claim's deadline, a lost lease,
+                # a pause, or a graceful stop (what has not gone out yet is given back).
+                left = held.lease_end - loop.time()
+                if left <= config.margin or held.revoked or held.release or self._stopping:
+                    return None
+                # and the send itself must end before the lease does, whatever the transport's timeout
+                return min(config.send_timeout, left - config.margin * 0.2)
+
             budget = min(config.send_timeout, held.lease_end - loop.time() - config.margin * 0.2)
-            outcome = await channel.send(message, timeout=max(budget, 0.1))
+            outcome = await channel.send(message, timeout=max(budget, 0.1), gate=None if self._idempotent else gate)
+            if isinstance(outcome, Withheld):
+                if loop.time() >= held.lease_end - config.margin:
+                    self._past_deadline(held, count_only=True)
+                self._push(_Result(held, None))
+                continue
             if not isinstance(outcome, Accepted):
                 self._push(_Result(held, outcome))
                 continue
@@ -488,14 +532,20 @@ class Worker:
             if self._idempotent:
                 self._push(_Result(held, outcome))
                 continue
-            # Without idempotency keys, an accepted message that is not recorded yet is the one a
-            # crash would duplicate. This lane sends nothing more until it is recorded, so at any
-            # instant each connection has at most one such message (the recorder groups the
-            # waits of all lanes into one UPDATE, so the wait is short).
             result = _Result(held, outcome, recorded=asyncio.Event())
             self._push(result)
-            assert result.recorded is not None
-            await result.recorded.wait()
+            unrecorded = result.recorded
+
+    def _past_deadline(self, held: Held, *, count_only: bool = False) -> None:
+        """Past this claim's deadline: the lease may be gone. Never start a send now; give it back."""
+        self.stats.dropped_past_deadline += 1
+        logger.warning(
+            "%s: claim deadline passed before sending; giving it back",
+            held.delivery.job_id,
+            extra={"action": "deadline_passed", "job_id": held.delivery.job_id},
+        )
+        if not count_only:
+            self._push(_Result(held, None))
 
     def _push(self, result: _Result) -> None:
         result.held.done = True
@@ -563,7 +613,7 @@ class Worker:
             d = result.held.delivery
             by_key[d.key] = result
             outcome = result.outcome
-            if outcome is None:
+            if outcome is None or isinstance(outcome, Withheld):
                 release.append(result.held.fenced)
             elif isinstance(outcome, Accepted):
                 sent.append(SentRecord(d.account_id, d.delivery_id, d.attempt, outcome.message_id, result.sent_at))

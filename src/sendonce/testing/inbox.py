@@ -87,6 +87,7 @@ class _Handler:
         return "250 OK"
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        self.inbox.data_started += 1
         faults = self.inbox.faults
         data = envelope.original_content or b""
         if faults.roll(faults.temp_fail):
@@ -133,6 +134,8 @@ class Inbox:
         self._lock = threading.Lock()
         self._messages: list[Received] = []
         self.accepted_total = 0
+        self.data_started = 0
+        """Messages whose whole content arrived (before any fault or answer)."""
         self._controller: Controller | None = None
 
     def start(self) -> Inbox:

@@ -37,6 +37,7 @@ class TcpProxy:
         self._flowing.set()
         self._refusing = False
         self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._ready = threading.Event()
         self.connections = 0
 
@@ -91,7 +92,11 @@ class TcpProxy:
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
+        self._refusing = True
+        self._flowing.set()  # paused pipes wake up, see the proxy is closing, and end
         await self._close_all()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=2)
 
     async def _close_all(self) -> None:
         for writer in list(self._writers):
@@ -100,6 +105,10 @@ class TcpProxy:
         self._writers.clear()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         if self._refusing:
             writer.transport.abort()
             return

@@ -8,6 +8,7 @@ duplicate that the pipeline writes to the ledger before sending.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from sendonce.domain.message import OutgoingMessage
@@ -49,15 +50,29 @@ class Permanent:
     hard_bounce: bool = False
 
 
-Outcome = Accepted | Retry | Permanent
+@dataclass(frozen=True, slots=True)
+class Withheld:
+    """The message was not sent: the caller's gate said no before the point of no return."""
+
+    reason: str
+
+
+Outcome = Accepted | Retry | Permanent | Withheld
+
+Gate = Callable[[], Awaitable[float | None]]
+"""Awaited right before the message's content goes out (SMTP: before DATA). Returns the seconds left
+for the rest of the send, or None to withhold the message."""
 
 
 class Channel(ABC):
     """One sending lane (an SMTP connection, an HTTP client slot). Used by one task at a time."""
 
     @abstractmethod
-    async def send(self, message: OutgoingMessage, *, timeout: float) -> Outcome:
-        """Send one message; never raises for a transport failure, returns the outcome instead."""
+    async def send(self, message: OutgoingMessage, *, timeout: float, gate: Gate | None = None) -> Outcome:
+        """Send one message; never raises for a transport failure, returns the outcome instead.
+
+        ``gate``, if given, is awaited as late as possible before the content goes out, so a caller can
+        prepare the next message while it finishes with the previous one."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the lane's resources."""

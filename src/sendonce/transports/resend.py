@@ -15,7 +15,17 @@ from typing import Any
 import httpx
 
 from sendonce.domain.message import OutgoingMessage
-from sendonce.transports.base import Accepted, Capabilities, Channel, Outcome, Permanent, Retry, Transport
+from sendonce.transports.base import (
+    Accepted,
+    Capabilities,
+    Channel,
+    Gate,
+    Outcome,
+    Permanent,
+    Retry,
+    Transport,
+    Withheld,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +114,12 @@ class ResendChannel(Channel):
     def __init__(self, transport: ResendTransport) -> None:
         self.transport = transport
 
-    async def send(self, message: OutgoingMessage, *, timeout: float) -> Outcome:
+    async def send(self, message: OutgoingMessage, *, timeout: float, gate: Gate | None = None) -> Outcome:
+        if gate is not None:
+            left = await gate()
+            if left is None:
+                return Withheld("withheld before the request")
+            timeout = max(min(timeout, left), 0.1)
         try:
             response = await self.transport.client.post(
                 "/emails",

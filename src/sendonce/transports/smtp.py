@@ -14,7 +14,17 @@ from dataclasses import dataclass
 import aiosmtplib
 
 from sendonce.domain.message import OutgoingMessage
-from sendonce.transports.base import Accepted, Capabilities, Channel, Outcome, Permanent, Retry, Transport
+from sendonce.transports.base import (
+    Accepted,
+    Capabilities,
+    Channel,
+    Gate,
+    Outcome,
+    Permanent,
+    Retry,
+    Transport,
+    Withheld,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +103,7 @@ class SmtpChannel(Channel):
         self._dirty = False
         return smtp
 
-    async def send(self, message: OutgoingMessage, *, timeout: float) -> Outcome:
+    async def send(self, message: OutgoingMessage, *, timeout: float, gate: Gate | None = None) -> Outcome:
         phase = "connect"
         try:
             smtp = await self._connection(timeout)
@@ -114,6 +124,14 @@ class SmtpChannel(Channel):
             await smtp.mail(message.envelope_from, options=options, encoding=encoding, timeout=timeout)
             phase = "rcpt"
             await smtp.rcpt(message.recipient, encoding=encoding, timeout=timeout)
+            if gate is not None:
+                # The envelope is on the server; nothing is delivered until DATA. The caller may hold
+                # the message here (its previous one is being recorded) or withdraw it.
+                left = await gate()
+                if left is None:
+                    self._dirty = True  # RSET before the next message
+                    return Withheld("withheld before DATA")
+                timeout = max(min(timeout, left), 0.1)
             phase = "data"
             response = await smtp.data(data, timeout=timeout)
         except aiosmtplib.SMTPResponseException as exc:
