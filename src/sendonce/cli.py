@@ -165,9 +165,12 @@ def worker(
 def api(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
+    workers: Annotated[int, typer.Option(min=1, max=64, help="API processes (they share the port).")] = 1,
     upgrade_schema: Annotated[bool, typer.Option("--upgrade/--no-upgrade", help="Apply migrations first.")] = True,
 ) -> None:
     """Serve the HTTP API."""
+    import os
+
     import uvicorn
 
     from sendonce.api.app import create_app
@@ -180,7 +183,20 @@ def api(
         except SendonceError as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(1) from None
-    uvicorn.run(create_app(settings, database_url=url), host=host, port=port, log_level="warning", access_log=False)
+    if workers == 1:
+        uvicorn.run(create_app(settings, database_url=url), host=host, port=port, log_level="warning", access_log=False)
+        return
+    # Several processes: each builds the app from the environment, pointed at the resolved database.
+    os.environ["SENDONCE_DATABASE_URL"] = url
+    uvicorn.run(
+        "sendonce.api.app:create_app",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level="warning",
+        access_log=False,
+    )
 
 
 @app.command()
