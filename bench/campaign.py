@@ -63,6 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         help="jobs per procrastinate run (default: min(recipients, 10,000): it is slow; its rate is per job)",
     )
+    parser.add_argument(
+        "--pg-setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra postgresql.conf line for the scratch server (repeatable), e.g. synchronous_commit=off",
+    )
     parser.add_argument("--only", default=",".join(KINDS), help=f"contenders to run (default {','.join(KINDS)})")
     parser.add_argument(
         "--profile",
@@ -102,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         sink_binary = None
 
     print("starting PostgreSQL …", file=sys.stderr)
-    server = external_server(args.database_url) if args.database_url else start_scratch_server(CACHE_DIR)
+    server = (
+        external_server(args.database_url)
+        if args.database_url
+        else start_scratch_server(CACHE_DIR, extra=dict(item.split("=", 1) for item in args.pg_setting))
+    )
     ctx = Context(server, CACHE_DIR, sink_binary, args.batch_size, log_dir=log_dir)
     settings = [(w, c) for w in args.workers for c in args.concurrency]
     results: list[RunResult] = []
@@ -176,6 +187,9 @@ def draw(path: Path, settings: list[tuple[int, int]], results: list[RunResult], 
     series = {
         "bare aiosmtplib loop (limit)": {k: r.rate for k, r in _by(results, "bare").items()},
         "sendonce": {k: r.rate for k, r in _by(results, "sendonce").items()},
+        "sendonce, approval → last delivery": {
+            k: rate for k, r in _by(results, "sendonce").items() if (rate := _to_last(r)) is not None
+        },
         "procrastinate baseline": {k: r.rate for k, r in _by(results, "procrastinate").items()},
     }
     sinks = sorted({r.sink.split(" (")[0] for r in results}) or ["?"]
@@ -347,9 +361,10 @@ def render(
         lines += [
             f"## Where a sendonce worker's time goes ({profiled.workers} × {profiled.concurrency}, py-spy)",
             "",
-            f"py-spy record --nonblocking --rate 200 on worker 0 while it sent its share of a campaign of "
-            f"{profiled.recipients:,} ({profiled.rate:,.0f} msg/s under sampling; {samples:,} samples of "
-            "the worker on CPU — idle time waiting on sockets is not sampled). Own % = time in that function itself.",
+            f"py-spy record --rate 100 (blocking: whole stacks) on worker 0 while it sent its share of a campaign "
+            f"of {profiled.recipients:,} ({profiled.rate:,.0f} msg/s under sampling, approval → sent "
+            f"{profiled.seconds:.1f}s; {samples:,} samples with the worker on CPU: idle waits on sockets are not "
+            "sampled). Own % = time in that function itself; % of the on-CPU samples.",
             "",
             *table,
             "",

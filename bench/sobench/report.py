@@ -83,6 +83,7 @@ def chart(
     styles = {
         "bare aiosmtplib loop (limit)": {"linestyle": "--", "marker": "s", "color": "#777777"},
         "sendonce": {"linestyle": "-", "marker": "o", "color": "#0a58ca", "linewidth": 2.5},
+        "sendonce, approval → last delivery": {"linestyle": "-.", "marker": "o", "color": "#7aa7e8"},
         "procrastinate baseline": {"linestyle": ":", "marker": "^", "color": "#c2410c"},
     }
     fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
@@ -109,6 +110,9 @@ def chart(
 # -- py-spy ------------------------------------------------------------------------------------------
 
 
+_IDLE_LEAVES = ("_worker (concurrent/futures/thread.py)", "wait (threading.py)")
+
+
 def profile_summary(raw: Path, top: int = 25) -> tuple[list[str], int]:
     """Top functions of a py-spy raw (collapsed) profile, by own and by inclusive samples."""
     own: Counter[str] = Counter()
@@ -120,8 +124,8 @@ def profile_summary(raw: Path, top: int = 25) -> tuple[list[str], int]:
             continue
         count = int(count_text)
         frames = [f for f in stack.split(";") if not f.startswith(("process ", "thread "))]
-        if not frames:
-            continue
+        if not frames or frames[-1].startswith(_IDLE_LEAVES):
+            continue  # an idle executor thread (py-spy does not always see it idle)
         total += count
         own[frames[-1]] += count
         for frame in set(frames):
@@ -133,6 +137,7 @@ def profile_summary(raw: Path, top: int = 25) -> tuple[list[str], int]:
         lines.append(f"| `{frame}` | {100 * count / total:.1f} | {100 * inclusive[frame] / total:.1f} |")
     lines += ["", "By inclusive time (where the time goes, callers included):", ""]
     lines += ["| function (file) | inclusive % | own % |", "| --- | ---: | ---: |"]
-    for frame, count in inclusive.most_common(top + 10):
+    shown = [(f, c) for f, c in inclusive.most_common() if c < total][: top + 10]  # the root chain says nothing
+    for frame, count in shown:
         lines.append(f"| `{frame}` | {100 * count / total:.1f} | {100 * own[frame] / total:.1f} |")
     return lines, total

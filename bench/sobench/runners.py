@@ -199,7 +199,7 @@ def _wait_listeners(url: str, like: str, count: int, procs: list[subprocess.Pope
     with psycopg.connect(url, autocommit=True) as conn:
         while True:
             row = conn.execute(
-                f"{MARK} SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE %s",
+                f"SELECT {MARK} count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE %s",
                 (like,),
             ).fetchone()
             if row and row[0] >= count:
@@ -213,7 +213,7 @@ def _wait_listeners(url: str, like: str, count: int, procs: list[subprocess.Pope
 def run_procrastinate(ctx: Context, workers: int, concurrency: int, n: int) -> RunResult:
     name = f"procrastinate-{workers}x{concurrency}"
     with psycopg.connect(ctx.pq_url, autocommit=True) as conn:
-        conn.execute(f"{MARK} TRUNCATE procrastinate_events, procrastinate_jobs, procrastinate_workers CASCADE")
+        conn.execute(f"TRUNCATE {MARK} procrastinate_events, procrastinate_jobs, procrastinate_workers CASCADE")
     if ctx.server.pgss:
         pgss_reset(ctx.pq_url)
     sink = Sink(ctx.log_dir, ctx.sink_binary, name)
@@ -243,7 +243,7 @@ def run_procrastinate(ctx: Context, workers: int, concurrency: int, n: int) -> R
 
         def done() -> bool:
             nonlocal statuses
-            rows = conn.execute(f"{MARK} SELECT status::text, count(*) FROM procrastinate_jobs GROUP BY 1").fetchall()
+            rows = conn.execute(f"SELECT {MARK} status::text, count(*) FROM procrastinate_jobs GROUP BY 1").fetchall()
             statuses = {str(s): int(c) for s, c in rows}
             return statuses.get("succeeded", 0) + statuses.get("failed", 0) >= n
 
@@ -254,7 +254,7 @@ def run_procrastinate(ctx: Context, workers: int, concurrency: int, n: int) -> R
             pg_cpu = (ctx.server.cpu_seconds() or 0.0) - (pg0 or 0.0) if pg0 is not None else None
             sink_cpu = cpu_seconds(sink.proc.pid) - sink0
             first, last = conn.execute(
-                f"""{MARK} SELECT min(at) FILTER (WHERE type = 'deferred'),
+                f"""SELECT {MARK} min(at) FILTER (WHERE type = 'deferred'),
                                   max(at) FILTER (WHERE type IN ('succeeded', 'failed'))
                              FROM procrastinate_events"""
             ).fetchone()  # type: ignore[misc]
@@ -304,20 +304,20 @@ def setup_sendonce(ctx: Context, url: str, n: int) -> float:
     upgrade(url)
     with psycopg.connect(url, autocommit=True) as conn:
         row = conn.execute(
-            f"""{MARK} INSERT INTO sendonce.accounts (name, api_key_hash, from_email, from_name)
+            f"""INSERT {MARK} INTO sendonce.accounts (name, api_key_hash, from_email, from_name)
                 VALUES ('bench', %s, %s, %s) RETURNING account_id""",
             (os.urandom(32), FROM_EMAIL, FROM_NAME),
         ).fetchone()
         assert row is not None
         ctx.account_id = int(row[0])
         row = conn.execute(
-            f"{MARK} INSERT INTO sendonce.lists (account_id, name) VALUES (%s, 'everyone') RETURNING list_id",
+            f"INSERT {MARK} INTO sendonce.lists (account_id, name) VALUES (%s, 'everyone') RETURNING list_id",
             (ctx.account_id,),
         ).fetchone()
         assert row is not None
         ctx.list_id = int(row[0])
         conn.execute(
-            f"""{MARK} INSERT INTO sendonce.subscribers (account_id, email, email_key, name)
+            f"""INSERT {MARK} INTO sendonce.subscribers (account_id, email, email_key, name)
                 SELECT %(a)s, e, e, 'User ' || i
                   FROM generate_series(1, %(n)s) AS i,
                        LATERAL (SELECT 'user' || lpad(i::text, 7, '0') || '@example.test' AS e) AS x
@@ -325,7 +325,7 @@ def setup_sendonce(ctx: Context, url: str, n: int) -> float:
             {"a": ctx.account_id, "n": n},
         )
         conn.execute(
-            f"""{MARK} INSERT INTO sendonce.list_members (account_id, list_id, subscriber_id)
+            f"""INSERT {MARK} INTO sendonce.list_members (account_id, list_id, subscriber_id)
                 SELECT account_id, %s, subscriber_id FROM sendonce.subscribers WHERE account_id = %s""",
             (ctx.list_id, ctx.account_id),
         )
@@ -336,11 +336,11 @@ def setup_sendonce(ctx: Context, url: str, n: int) -> float:
 def _new_campaign(ctx: Context) -> int:
     with psycopg.connect(ctx.sendonce_url, autocommit=True) as conn:
         conn.execute(
-            f"""{MARK} TRUNCATE sendonce.possible_duplicates, sendonce.deliveries, sendonce.campaign_lists,
+            f"""TRUNCATE {MARK} sendonce.possible_duplicates, sendonce.deliveries, sendonce.campaign_lists,
                                 sendonce.campaigns"""
         )
         row = conn.execute(
-            f"""{MARK} INSERT INTO sendonce.campaigns (account_id, name, subject, text_body, html_body,
+            f"""INSERT {MARK} INTO sendonce.campaigns (account_id, name, subject, text_body, html_body,
                                                       from_email, from_name)
                 VALUES (%s, 'November news', %s, %s, %s, %s, %s) RETURNING campaign_id""",
             (ctx.account_id, SUBJECT, TEXT, HTML, FROM_EMAIL, FROM_NAME),
@@ -348,7 +348,7 @@ def _new_campaign(ctx: Context) -> int:
         assert row is not None
         campaign_id = int(row[0])
         conn.execute(
-            f"{MARK} INSERT INTO sendonce.campaign_lists (account_id, campaign_id, list_id) VALUES (%s, %s, %s)",
+            f"INSERT {MARK} INTO sendonce.campaign_lists (account_id, campaign_id, list_id) VALUES (%s, %s, %s)",
             (ctx.account_id, campaign_id, ctx.list_id),
         )
     return campaign_id
@@ -368,7 +368,7 @@ _FINAL = re.compile(r"final: WorkerStats\((.*)\)")
 
 
 def run_sendonce(
-    ctx: Context, workers: int, concurrency: int, n: int, *, profile: Path | None = None, profile_rate: int = 200
+    ctx: Context, workers: int, concurrency: int, n: int, *, profile: Path | None = None, profile_rate: int = 100
 ) -> RunResult:
     name = f"sendonce-{workers}x{concurrency}" + ("-profiled" if profile else "")
     campaign_id = _new_campaign(ctx)
@@ -392,7 +392,7 @@ def run_sendonce(
         if profile is not None:
             spy = CHILDREN.spawn(
                 [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pids[0]), "--rate",
-                 str(profile_rate), "--nonblocking", "--nolineno", "--format", "raw", "--output", str(profile)],
+                 str(profile_rate), "--nolineno", "--format", "raw", "--output", str(profile)],
                 log=ctx.log_dir / f"{name}-py-spy.log",
             )  # fmt: skip
             time.sleep(1.0)
@@ -405,7 +405,7 @@ def run_sendonce(
 
         def done() -> bool:
             row = conn.execute(
-                f"{MARK} SELECT status::text FROM sendonce.campaigns WHERE campaign_id = %s", (campaign_id,)
+                f"SELECT {MARK} status::text FROM sendonce.campaigns WHERE campaign_id = %s", (campaign_id,)
             ).fetchone()
             return bool(row and row[0] in ("sent", "cancelled"))
 
@@ -417,7 +417,7 @@ def run_sendonce(
             sink_cpu = cpu_seconds(sink.proc.pid) - sink0
             statements = pgss_read(ctx.sendonce_url) if ctx.server.pgss else []
             times = conn.execute(
-                f"""{MARK} SELECT status::text, scheduled_for, started_at, built_at, finished_at,
+                f"""SELECT {MARK} status::text, scheduled_for, started_at, built_at, finished_at,
                                   (SELECT max(sent_at) FROM sendonce.deliveries WHERE campaign_id = c.campaign_id)
                              FROM sendonce.campaigns c WHERE campaign_id = %s""",
                 (campaign_id,),
@@ -425,12 +425,12 @@ def run_sendonce(
             assert times is not None
             counts = dict(
                 conn.execute(
-                    f"""{MARK} SELECT status::text, count(*) FROM sendonce.deliveries
+                    f"""SELECT {MARK} status::text, count(*) FROM sendonce.deliveries
                                 WHERE campaign_id = %s GROUP BY 1""",
                     (campaign_id,),
                 ).fetchall()
             )
-            duplicates = conn.execute(f"{MARK} SELECT count(*) FROM sendonce.possible_duplicates").fetchone()
+            duplicates = conn.execute(f"SELECT {MARK} count(*) FROM sendonce.possible_duplicates").fetchone()
     finally:
         if spy is not None:
             CHILDREN.stop(spy, sig=2, timeout=60)  # SIGINT: py-spy writes its output and exits
