@@ -207,6 +207,16 @@ def _ratio(a: RunResult | None, b: RunResult | None) -> str:
     return f"{a.rate / b.rate:.2f}"
 
 
+OTHER_LOAD_WARNING = 0.2
+
+
+def _other(r: RunResult | None) -> str:
+    value = r.extra.get("other_cores") if r is not None else None
+    if value is None:
+        return "–"
+    return f"{value:.2f}" + (" ⚠" if value > OTHER_LOAD_WARNING else "")
+
+
 def _to_last(r: RunResult | None) -> float | None:
     last = r.extra.get("last_sent_s") if r is not None else None
     return r.recipients / last if r is not None and last else None
@@ -256,17 +266,23 @@ def render(
         "",
         "| workers × concurrency | connections | bare loop (limit) | procrastinate | sendonce "
         "| sendonce ÷ limit | sendonce ÷ procrastinate | sendonce to its last delivery "
-        "| delivered (sink): bare / procrastinate / sendonce |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| delivered (sink): bare / procrastinate / sendonce | other load, cores: bare / procr. / sendonce |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for key in settings:
         b, p, s = bare.get(key), pq.get(key), so.get(key)
         lines.append(
             f"| {key[0]} × {key[1]} | {key[0] * key[1]} | {fmt(b.rate if b else None)} | {fmt(p.rate if p else None)} "
             f"| **{fmt(s.rate if s else None)}** | {_ratio(s, b)} | {_ratio(s, p)} | {fmt(_to_last(s))} "
-            f"| {_delivered(b)} / {_delivered(p)} / {_delivered(s)} |"
+            f"| {_delivered(b)} / {_delivered(p)} / {_delivered(s)} | {_other(b)} / {_other(p)} / {_other(s)} |"
         )
-    lines.append("")
+    lines += [
+        "",
+        "*Other load*: CPU used during the run by processes the run did not start or measure (from /proc/stat, "
+        f"in cores out of {facts['nproc']}); ⚠ above {OTHER_LOAD_WARNING} core: the figure is skewed by someone "
+        "else's work on the machine.",
+        "",
+    ]
 
     if so:
         lines += [

@@ -29,7 +29,7 @@ import httpx
 import psycopg
 from sobench import BENCH_DIR, CACHE_DIR, OUT_DIR
 from sobench.pg import MARK, external_server, recreate_database, start_scratch_server
-from sobench.procs import CHILDREN, cpu_seconds, free_port, install_cleanup, peak_rss_mib, wait_port
+from sobench.procs import CHILDREN, OtherLoad, cpu_seconds, free_port, install_cleanup, peak_rss_mib, wait_port
 from sobench.report import fmt, header, machine_facts
 
 RATE_PER_ACCOUNT = "100000/s burst 100000"
@@ -129,10 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         for i, rate in enumerate(args.rates):
             cpu0 = sum(cpu_seconds(p.pid) for p in procs)
             pg0 = server.cpu_seconds()
+            load = OtherLoad()
             report = step(ports, key, kind, rate, args.duration, f"{kind}{i}")
-            report["api_cpu"] = (sum(cpu_seconds(p.pid) for p in procs) - cpu0) / report["elapsed"]
+            api = sum(cpu_seconds(p.pid) for p in procs) - cpu0
+            report["api_cpu"] = api / report["elapsed"]
             pg1 = server.cpu_seconds()
-            report["pg_cpu"] = (pg1 - pg0) / report["elapsed"] if pg0 is not None and pg1 is not None else None
+            pg = pg1 - pg0 if pg0 is not None and pg1 is not None else None
+            report["pg_cpu"] = pg / report["elapsed"] if pg is not None else None
+            # The load process's own CPU (including its start-up) is ours too.
+            report["other_cores"] = load.stop(api + (pg or 0.0) + report["cpu_s"])
             results[kind].append(report)
             print(
                 f"  offered {rate:,.0f}/s: {report['throughput']:,.0f}/s ok, p50 {fmt(report['p50_ms'], '.1f')} ms, "
@@ -216,15 +221,16 @@ def render(
             + (f"{best['throughput']:,.0f}** (offered {best['offered']:,.0f}/s)" if best else "none of the rates**"),
             "",
             "| offered /s | served /s | p50 ms | p90 ms | p99 ms | max ms | answers | API CPU (cores) "
-            "| PostgreSQL CPU (cores) |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+            "| PostgreSQL CPU (cores) | other load (cores) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
         ]
         for r in results[kind]:
             lines.append(
                 f"| {r['offered']:,.0f} | {r['throughput']:,.0f} | {fmt(r['p50_ms'], '.1f')} "
                 f"| {fmt(r['p90_ms'], '.1f')} | {fmt(r['p99_ms'], '.1f')} | {fmt(r['max_ms'], '.0f')} "
                 f"| {', '.join(f'{k}: {v:,}' for k, v in sorted(r['statuses'].items()))} "
-                f"| {r['api_cpu']:.2f} | {fmt(r['pg_cpu'], '.2f')} |"
+                f"| {r['api_cpu']:.2f} | {fmt(r['pg_cpu'], '.2f')} "
+                f"| {r['other_cores']:.2f}{' ⚠' if r['other_cores'] > 0.2 else ''} |"
             )
         lines.append("")
     lines += [
@@ -234,7 +240,9 @@ def render(
         f"(warm-up included): {new_created:,}; a repeat creates nothing after its first request",
         f"- peak RSS per API process: {', '.join(f'{x:.0f} MiB' for x in rss if x is not None)}",
         f"- errors in the API logs: {len(issues)}" + (f", e.g. {issues[0][:300]}" if issues else ""),
-        "- the load process, the API process(es) and PostgreSQL share the machine's cores",
+        "- the load process, the API process(es) and PostgreSQL share the machine's cores; *other load* is the "
+        "CPU used meanwhile by processes this run did not start (from /proc/stat, in cores): ⚠ above 0.2, "
+        "someone else's work skewed that step",
         "",
     ]
     return "\n".join(lines)

@@ -180,6 +180,35 @@ def parent_pid(pid: int) -> int | None:
     return int(fields[1]) if fields else None
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores spent in processes since boot (user, nice, system), from /proc/stat.
+
+    Interrupt and softirq time (where the kernel may process our own loopback traffic) and steal are
+    left out, so that what is not ours is not overstated.
+    """
+    user, nice, system = (int(f) for f in Path("/proc/stat").read_text().splitlines()[0].split()[1:4])
+    return (user + nice + system) / CLK_TCK
+
+
+class OtherLoad:
+    """CPU used on this machine by processes the benchmark does not measure, over a window.
+
+    ``stop(ours)`` takes the CPU seconds of everything the run measured (its processes, PostgreSQL, the
+    sink); the harness's own CPU is added here. The rest is someone else's load, which skews the figures.
+    """
+
+    def __init__(self) -> None:
+        self.busy = machine_busy_seconds()
+        self.own = time.process_time()
+        self.started = time.monotonic()
+
+    def stop(self, ours: float) -> float:
+        """Cores' worth of CPU used by other processes during the window."""
+        wall = time.monotonic() - self.started
+        other = machine_busy_seconds() - self.busy - ours - (time.process_time() - self.own)
+        return max(other, 0.0) / wall if wall > 0 else 0.0
+
+
 def peak_rss_mib(pid: int) -> float | None:
     """VmHWM (peak resident set size) of a living process, in MiB."""
     try:

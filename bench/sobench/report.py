@@ -32,6 +32,7 @@ def machine_facts() -> dict[str, str]:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "sendonce": f"commit {commit or '?'}",
+        "loadavg": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
         "packages": ", ".join(
             f"{name} {_version(name)}" for name in ("aiosmtplib", "psycopg", "procrastinate", "uvicorn", "fastapi")
         ),
@@ -50,7 +51,8 @@ def header(title: str, facts: dict[str, str], command: str, pg: str, extra: list
         f"# {title}",
         "",
         f"- date: {facts['date']}",
-        f"- machine: {facts['nproc']} cores ({facts['cpu']}), {facts['ram']} RAM, Linux {facts['kernel']}",
+        f"- machine: {facts['nproc']} cores ({facts['cpu']}), {facts['ram']} RAM, Linux {facts['kernel']}; "
+        f"load average when the report was written: {facts['loadavg']}",
         f"- Python {facts['python']}; {facts['packages']}",
         f"- sendonce: {facts['sendonce']}",
         f"- PostgreSQL: {pg}",

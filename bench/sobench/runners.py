@@ -24,7 +24,7 @@ import psycopg
 from sobench import BENCH_DIR
 from sobench.content import FROM_EMAIL, FROM_NAME, HTML, SUBJECT, TEXT
 from sobench.pg import MARK, Server, Statement, pgss_read, pgss_reset
-from sobench.procs import CHILDREN, cpu_seconds, peak_rss_mib
+from sobench.procs import CHILDREN, OtherLoad, cpu_seconds, peak_rss_mib
 from sobench.sink import Sink, SinkBinary
 
 
@@ -141,6 +141,7 @@ def run_bare(ctx: Context, workers: int, concurrency: int, n: int) -> RunResult:
             if line != "ready":
                 raise RuntimeError(f"bare loop did not start: {line!r} (see {ctx.log_dir / name}-*.log)")
         sink_cpu0 = cpu_seconds(sink.proc.pid)
+        load = OtherLoad()
         for proc in procs:
             proc.stdin.write(b"go\n")  # type: ignore[union-attr]
             proc.stdin.flush()  # type: ignore[union-attr]
@@ -149,6 +150,7 @@ def run_bare(ctx: Context, workers: int, concurrency: int, n: int) -> RunResult:
             reports.append(json.loads(proc.stdout.readline()))  # type: ignore[union-attr]
             proc.wait(30)
         sink_cpu = cpu_seconds(sink.proc.pid) - sink_cpu0
+        other = load.stop(sink_cpu + sum(r["cpu"] for r in reports))
     finally:
         CHILDREN.stop_all(procs)
     delivered = sink.wait_for(n, 5)
@@ -161,7 +163,7 @@ def run_bare(ctx: Context, workers: int, concurrency: int, n: int) -> RunResult:
     return RunResult(
         "bare", workers, concurrency, n, seconds, delivered, sink.kind, problems,
         {"size": reports[0]["size"], "client_cpu_ms": 1000 * sum(r["cpu"] for r in reports) / n,
-         "sink_cpu_ms": 1000 * sink_cpu / n},
+         "sink_cpu_ms": 1000 * sink_cpu / n, "other_cores": other},
     )  # fmt: skip
 
 
@@ -236,6 +238,7 @@ def run_procrastinate(ctx: Context, workers: int, concurrency: int, n: int) -> R
         _wait_listeners(ctx.pq_url, "LISTEN%", workers, procs, "procrastinate workers")
         pids = [p.pid for p in procs]
         cpu0, pg0, sink0 = _cpu(pids), ctx.server.cpu_seconds(), cpu_seconds(sink.proc.pid)
+        load = OtherLoad()
         enqueue_seconds = asyncio.run(_enqueue(n))
 
         conn = psycopg.connect(ctx.pq_url, autocommit=True)
@@ -253,6 +256,7 @@ def run_procrastinate(ctx: Context, workers: int, concurrency: int, n: int) -> R
             cpu = _cpu(pids) - cpu0
             pg_cpu = (ctx.server.cpu_seconds() or 0.0) - (pg0 or 0.0) if pg0 is not None else None
             sink_cpu = cpu_seconds(sink.proc.pid) - sink0
+            other = load.stop(cpu + (pg_cpu or 0.0) + sink_cpu)
             first, last = conn.execute(
                 f"""SELECT {MARK} min(at) FILTER (WHERE type = 'deferred'),
                                   max(at) FILTER (WHERE type IN ('succeeded', 'failed'))
@@ -278,6 +282,7 @@ def run_procrastinate(ctx: Context, workers: int, concurrency: int, n: int) -> R
         "pg_exec_ms": sum(s.total_ms for s in statements) / n if statements else None,
         "statements": statements[:8],
         "log_issues": _collect_logs(logs),
+        "other_cores": other,
     }
     return RunResult("procrastinate", workers, concurrency, n, seconds, delivered, sink.kind, problems, extra)
 
@@ -399,6 +404,8 @@ def run_sendonce(
         if ctx.server.pgss:
             pgss_reset(ctx.sendonce_url)
         cpu0, pg0, sink0 = _cpu(pids), ctx.server.cpu_seconds(), cpu_seconds(sink.proc.pid)
+        spy_cpu0 = cpu_seconds(spy.pid) if spy is not None else 0.0
+        load = OtherLoad()
         asyncio.run(_approve(ctx.sendonce_url, ctx.account_id, campaign_id))
 
         conn = psycopg.connect(ctx.sendonce_url, autocommit=True)
@@ -415,6 +422,8 @@ def run_sendonce(
             cpu = _cpu(pids) - cpu0
             pg_cpu = (ctx.server.cpu_seconds() or 0.0) - pg0 if pg0 is not None else None
             sink_cpu = cpu_seconds(sink.proc.pid) - sink0
+            spy_cpu = cpu_seconds(spy.pid) - spy_cpu0 if spy is not None else 0.0
+            other = load.stop(cpu + (pg_cpu or 0.0) + sink_cpu + spy_cpu)
             statements = pgss_read(ctx.sendonce_url) if ctx.server.pgss else []
             times = conn.execute(
                 f"""SELECT {MARK} status::text, scheduled_for, started_at, built_at, finished_at,
@@ -471,6 +480,7 @@ def run_sendonce(
         "counts": counts,
         "worker_sent": worker_sent,
         "log_issues": issues,
+        "other_cores": other,
     }
     seconds = (finished - approved).total_seconds()
     return RunResult("sendonce", workers, concurrency, n, seconds, delivered, sink.kind, problems, extra)
