@@ -379,8 +379,8 @@ def render(
             "",
             f"py-spy record --rate 100 (blocking: whole stacks) on worker 0 while it sent its share of a campaign "
             f"of {profiled.recipients:,} ({profiled.rate:,.0f} msg/s under sampling, approval → sent "
-            f"{profiled.seconds:.1f}s; {samples:,} samples with the worker on CPU: idle waits on sockets are not "
-            "sampled). Own % = time in that function itself; % of the on-CPU samples.",
+            f"{profiled.seconds:.1f}s; {samples:,} samples on CPU (idle waits on sockets are not sampled, "
+            "idle executor threads are left out). Own % = time in that function itself; % of the on-CPU samples.",
             "",
             *table,
             "",

@@ -182,6 +182,18 @@ def best_under(reports: list[dict[str, Any]], target_ms: float) -> dict[str, Any
     return max(good, key=lambda r: r["offered"]) if good else None
 
 
+def _outbox_check(rows: int, answered: int, new_steps: list[dict[str, Any]]) -> str:
+    unanswered = sum(r["requests"] - r["statuses"].get("201", 0) for r in new_steps)
+    if rows == answered:
+        return "every outbox row has its 201"
+    if answered < rows <= answered + unanswered:
+        return (
+            f"{rows - answered:,} rows without a 201, within the {unanswered:,} NEW requests left unanswered "
+            "(timed out at the client: the server finished them after it gave up)"
+        )
+    return f"**MISMATCH: {rows:,} outbox rows for {answered:,} answers and {unanswered:,} unanswered requests**"
+
+
 def render(
     args: argparse.Namespace,
     command: str,
@@ -237,7 +249,8 @@ def render(
         "## Checks",
         "",
         f"- outbox rows by kind: {outbox or 'none'}; signups: {signups[0] if signups else '?'}; 201 answers "
-        f"(warm-up included): {new_created:,}; a repeat creates nothing after its first request",
+        f"(warm-up included): {new_created:,}, plus 1 for the repeated address's first request: "
+        + _outbox_check(sum(outbox.values()), new_created + 1, results["new"]),
         f"- peak RSS per API process: {', '.join(f'{x:.0f} MiB' for x in rss if x is not None)}",
         f"- errors in the API logs: {len(issues)}" + (f", e.g. {issues[0][:300]}" if issues else ""),
         "- the load process, the API process(es) and PostgreSQL share the machine's cores; *other load* is the "

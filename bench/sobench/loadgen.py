@@ -54,14 +54,16 @@ class Client:
             self.freed.notify()
 
     async def post(self, path: str, body: bytes) -> int:
-        for _ in range(3):
+        while True:
             status = await self._post_once(path, body)
             if status:
                 return status
-        raise ConnectionResetError("the server closed the connection three times")
 
     async def _post_once(self, path: str, body: bytes) -> int:
-        """The status; 0 when a kept-alive connection turned out closed by the server (retry on a new one)."""
+        """The status; 0 when a kept-alive connection turned out closed by the server (retry: the pool is
+        last-in first-out, so connections left idle past uvicorn's keep-alive timeout sit at its bottom).
+        A new connection that closes without an answer is an error."""
+        fresh = not self.idle
         conn = await self._acquire()
         reader, writer = conn
         try:
@@ -70,9 +72,16 @@ class Client:
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
                 + body
             )
-            status_line = await reader.readline()
-            if not status_line:  # the server closed an idle keep-alive connection
-                writer.close()
+            try:
+                status_line = await reader.readline()
+            except ConnectionResetError:
+                if fresh:
+                    raise
+                status_line = b""
+            if not status_line:
+                if fresh:
+                    raise ConnectionResetError("the server closed a new connection without answering")
+                writer.close()  # the server closed this idle keep-alive connection: try another
                 await self._release(None)
                 return 0
             status = int(status_line.split()[1])
