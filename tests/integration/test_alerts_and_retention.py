@@ -99,7 +99,7 @@ async def test_prune_archives_and_deletes_only_finished_old_rows(database_url: s
     await campaign_setup(database_url, emails(3, "other.test"))
     async with await connect(database_url) as aconn:  # a campaign still running: built, partly sent
         await outbox.start_due_campaigns(aconn)
-        while await outbox.build_next_chunk(aconn, 100):
+        while isinstance(await outbox.build_next_chunk(aconn, 100), outbox.BuildProgress):
             pass
     with psycopg.connect(database_url) as conn:
         conn.execute("UPDATE sendonce.deliveries SET status = 'sent' WHERE email = 'user000000@other.test'")

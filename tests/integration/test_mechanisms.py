@@ -35,7 +35,7 @@ async def _claim_all(
 async def _start_and_build(url: str, chunk: int = 5000) -> None:
     async with await connect(url) as conn:
         await outbox.start_due_campaigns(conn)
-        while await outbox.build_next_chunk(conn, chunk):
+        while isinstance(await outbox.build_next_chunk(conn, chunk), outbox.BuildProgress):
             pass
 
 
@@ -125,7 +125,7 @@ async def test_rebuilding_after_a_crash_creates_nothing_twice(database_url: str)
             "UPDATE sendonce.campaigns SET build_cursor = 0 WHERE campaign_id = %s", (setup.campaign_id,)
         )
         progress = []
-        while (p := await outbox.build_next_chunk(conn, 100)) is not None:
+        while isinstance(p := await outbox.build_next_chunk(conn, 100), outbox.BuildProgress):
             progress.append(p)
         total = await (await conn.execute("SELECT count(*) AS n FROM sendonce.deliveries")).fetchone()
     assert total is not None and total["n"] == 250

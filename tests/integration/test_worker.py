@@ -41,7 +41,7 @@ async def _wait_status(url: str, account_id: int, campaign_id: int, status: str,
 async def _prebuild(url: str) -> None:
     async with await connect(url) as conn:
         await outbox.start_due_campaigns(conn)
-        while await outbox.build_next_chunk(conn, 5000):
+        while isinstance(await outbox.build_next_chunk(conn, 5000), outbox.BuildProgress):
             pass
 
 
@@ -275,3 +275,26 @@ async def test_a_non_ascii_mailbox_fails_clearly_without_smtputf8(database_url: 
         ).fetchone()
     assert row is not None and row["status"] == "failed" and "SMTPUTF8" in row["last_error"]
     del setup
+
+
+async def test_a_list_locked_for_an_instant_is_built_without_waiting_for_the_tick(
+    database_url: str, inbox: Inbox
+) -> None:
+    """A builder that finds the campaign row locked looks again shortly: nobody else may wake it."""
+    setup = await campaign_setup(database_url, emails(30))
+    async with await connect(database_url) as conn:
+        await outbox.start_due_campaigns(conn)  # sending, list not built
+    holder = await connect(database_url, autocommit=False)
+    await holder.execute("SELECT 1 FROM sendonce.campaigns FOR UPDATE")
+    config = WorkerConfig(tick=60, lease=5, concurrency=2)
+    worker = Worker(database_url, transport_from_url(inbox.url), config, composer=composer())
+    task = asyncio.create_task(worker.run())
+    try:
+        await asyncio.sleep(1.0)  # the builder met the lock
+        await holder.rollback()
+        await _wait_status(database_url, setup.account_id, setup.campaign_id, "sent", timeout=15)  # type: ignore[arg-type]
+    finally:
+        await holder.close()
+        worker.stop()
+        await task
+    assert len(inbox.messages) == 30

@@ -754,13 +754,23 @@ class Worker:
 
     async def _builder(self) -> None:
         lane = _Lane(self.url)
+        retry: float | None = None
         try:
             while not self._stopping:
-                await self._sleep(self._build_wanted, self.config.tick)
+                await self._sleep(self._build_wanted, retry if retry is not None else self.config.tick)
                 self._build_wanted.clear()
+                retry = None
                 while not self._stopping:
                     progress = await self._with_db(lane, "build", outbox.build_next_chunk, self.config.build_chunk)
-                    if progress is None:
+                    if progress is None:  # the database failed: try again soon, not at the next tick
+                        retry = 1.0
+                        break
+                    if progress == outbox.BUILD_BUSY:
+                        # Another builder holds the list, or a statement held the row for an instant;
+                        # if it is a passing lock, nobody else may wake us: look again shortly.
+                        retry = 0.5
+                        break
+                    if isinstance(progress, str):
                         break
                     self._wake.set()
                     if progress.done:

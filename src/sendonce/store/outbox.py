@@ -231,13 +231,21 @@ async def start_due_campaigns(conn: Conn) -> list[Key]:
     return [(row["account_id"], row["campaign_id"]) for row in await cursor.fetchall()]
 
 
-async def build_next_chunk(conn: Conn, chunk_size: int) -> BuildProgress | None:
-    """Build one chunk of one campaign's recipient list; None when no list needs building."""
+BUILD_IDLE = "idle"
+"""No recipient list needs building."""
+BUILD_BUSY = "busy"
+"""A list needs building but its campaign row is locked right now (another builder, or a passing
+statement): look again in a moment rather than conclude there is nothing to do."""
+
+
+async def build_next_chunk(conn: Conn, chunk_size: int) -> BuildProgress | str:
+    """Build one chunk of one campaign's recipient list; BUILD_IDLE or BUILD_BUSY when none was built."""
     async with conn.transaction():
         cursor = await conn.execute(query("lock_campaign_to_build"))
         target = await cursor.fetchone()
         if target is None:
-            return None
+            pending = await (await conn.execute(query("lists_to_build"))).fetchone()
+            return BUILD_BUSY if pending and pending["pending"] else BUILD_IDLE
         cursor = await conn.execute(
             query("build_chunk"),
             {

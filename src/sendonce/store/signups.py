@@ -7,6 +7,7 @@ worker sends it. A repeat within the window gets the first request's answer and 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -47,10 +48,22 @@ class SignupOutcome:
     body: dict[str, Any]
 
 
+ACCOUNT_BUCKET_SHARDS = 8
+
+
 @dataclass(frozen=True, slots=True)
 class SignupLimits:
     per_address: Rate
     per_account: Rate
+
+    @property
+    def per_account_shard(self) -> Rate:
+        """One of ACCOUNT_BUCKET_SHARDS equal parts of the account's rate (and burst)."""
+        return Rate(
+            self.per_account.count / ACCOUNT_BUCKET_SHARDS,
+            self.per_account.seconds,
+            self.per_account.capacity / ACCOUNT_BUCKET_SHARDS,
+        )
 
 
 def _answer(stored: dict[str, Any] | None, fallback: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +160,10 @@ async def request_signup(
         wait = await rate_limits.take(conn, aid, f"signup:address:{address.key}", limits.per_address)
         if wait is not None:
             raise RateLimited(wait, "address")
-        wait = await rate_limits.take(conn, aid, "signup:account", limits.per_account)
+        # The account's bucket is split in shards, by address: each request locks one shard row until
+        # its commit, so one account's signups are not serialized on a single row.
+        shard = int(hashlib.sha256(address.key.encode()).hexdigest()[:8], 16) % ACCOUNT_BUCKET_SHARDS
+        wait = await rate_limits.take(conn, aid, f"signup:account:{shard}", limits.per_account_shard)
         if wait is not None:
             raise RateLimited(wait, "account")
         await conn.execute(

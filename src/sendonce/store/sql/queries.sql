@@ -220,6 +220,10 @@ SELECT account_id, campaign_id, build_cursor
  LIMIT 1
    FOR UPDATE SKIP LOCKED;
 
+-- lists_to_build --
+-- Whether any sending campaign's recipient list is still incomplete (locked by a builder or not).
+SELECT EXISTS (SELECT 1 FROM sendonce.campaigns WHERE status = 'sending' AND built_at IS NULL) AS pending;
+
 -- build_chunk --
 -- Add the next chunk of recipients (by subscriber_id) to a campaign, in the same transaction as
 -- the lock above, and move the build cursor. ON CONFLICT DO NOTHING makes a rebuild after a crash
@@ -240,6 +244,10 @@ WITH chunk AS (
                      JOIN sendonce.campaign_lists cl
                        ON cl.account_id = m.account_id AND cl.list_id = m.list_id
                     WHERE m.account_id = s.account_id AND m.subscriber_id = s.subscriber_id
+                      -- redundant with the join on s, but it lets the planner start its scan of the
+                      -- memberships at the cursor: without it, each chunk re-reads every membership
+                      -- before the cursor, and building a list costs O(n²)
+                      AND m.account_id = %(account_id)s AND m.subscriber_id > %(after)s
                       AND m.status = 'confirmed' AND cl.campaign_id = %(campaign_id)s)
        AND NOT EXISTS (SELECT 1 FROM sendonce.suppressions x
                         WHERE x.account_id = s.account_id AND x.email_key = s.email_key)
