@@ -214,7 +214,7 @@ async def test_complaints_suppress_at_once_and_soft_bounces_after_a_few(
     setup = await _sent_campaign(database_url, ["ann@example.test", "bob@example.test"])
     assert (
         _generic(
-            client, [{"id": "c1", "type": "complaint", "email": "ann@example.test"}], account=setup.account_id
+            client, [{"id": "c1", "type": "complaint", "email": "ann@example.test", "account_id": setup.account_id}]
         ).json()["new"]
         == 1
     )
@@ -223,7 +223,8 @@ async def test_complaints_suppress_at_once_and_soft_bounces_after_a_few(
     )
     for n in range(3):
         _generic(
-            client, [{"id": f"s{n}", "type": "soft_bounce", "email": "bob@example.test"}], account=setup.account_id
+            client,
+            [{"id": f"s{n}", "type": "soft_bounce", "email": "bob@example.test", "account_id": setup.account_id}],
         )
         suppressed = _one(
             database_url, "SELECT count(*) FROM sendonce.suppressions WHERE email_key = 'bob@example.test'"
@@ -369,13 +370,12 @@ async def test_dkim_signature_verifies_and_covers_the_unsubscribe_headers(
     ).decode()
     body = client.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
     auth = {"Authorization": f"Bearer {body['api_key']}"}
-    bad = client.patch("/v1/account", json={"dkim": {"domain": "acme.test", "selector": "s1"}}, headers=auth)
-    assert bad.status_code == 422
-    response = client.patch(
-        "/v1/account",
-        json={"dkim": {"domain": "acme.test", "selector": "s2026", "key_file": str(tmp_path / "dkim.pem")}},
-        headers=auth,
-    )
+    dkim_url = f"/v1/accounts/{body['id']}/dkim"
+    config = {"domain": "acme.test", "selector": "s2026", "key_file": str(tmp_path / "dkim.pem")}
+    # where the workers read keys is host configuration: an account's own key cannot set it
+    assert client.put(dkim_url, json=config, headers=auth).status_code == 401
+    assert client.put(dkim_url, json={"domain": "acme.test", "selector": "s1"}, headers=ADMIN).status_code == 422
+    response = client.put(dkim_url, json=config, headers=ADMIN)
     assert response.status_code == 200 and response.json()["dkim"]["selector"] == "s2026"
     _campaign_via_api(client, auth, ["ann@example.test"])
     await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN)
@@ -402,10 +402,10 @@ async def test_a_missing_dkim_key_delays_mail_instead_of_sending_it_unsigned(
 ) -> None:
     body = client.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
     auth = {"Authorization": f"Bearer {body['api_key']}"}
-    client.patch(
-        "/v1/account",
-        json={"dkim": {"domain": "acme.test", "selector": "s", "key_env": "NO_SUCH_DKIM_KEY"}},
-        headers=auth,
+    client.put(
+        f"/v1/accounts/{body['id']}/dkim",
+        json={"domain": "acme.test", "selector": "s", "key_env": "NO_SUCH_DKIM_KEY"},
+        headers=ADMIN,
     )
     _campaign_via_api(client, auth, ["ann@example.test"])
     config = WorkerConfig(tick=0.2, lease=5, backoff_base=30)

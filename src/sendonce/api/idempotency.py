@@ -65,6 +65,8 @@ async def idempotent(
     handler: Callable[[], Awaitable[Response]],
     *,
     on_replay: Callable[[], None] | None = None,
+    seal: Callable[[bytes], str] | None = None,
+    unseal: Callable[[str], bytes] | None = None,
 ) -> Response:
     """Run ``handler`` once per (scope, Idempotency-Key); without the header, just run it."""
     raw_key = request.headers.get(HEADER)
@@ -100,8 +102,11 @@ async def idempotent(
                 else:
                     if on_replay is not None:
                         on_replay()
+                    body = stored["response_body"]
+                    if unseal is not None:
+                        body = unseal(body)
                     return Response(
-                        stored["response_body"],
+                        body,
                         status_code=stored["response_status"],
                         media_type="application/json",
                         headers={"Idempotent-Replayed": "true"},
@@ -116,7 +121,7 @@ async def idempotent(
                     "account_id": scope,
                     "key": key,
                     "status": response.status_code,
-                    "body": bytes(response.body).decode("utf-8"),
+                    "body": seal(bytes(response.body)) if seal is not None else bytes(response.body).decode("utf-8"),
                 },
             )
             return response

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -60,6 +61,14 @@ class Problem(Exception):
         super().__init__(detail)
 
 
+class ProblemResponse(JSONResponse):
+    media_type = PROBLEM_JSON
+
+    def render(self, content: Any) -> bytes:
+        # ASCII-escaped: a detail quoting bad input (a lone surrogate...) can always be encoded.
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":"), default=str).encode("ascii")
+
+
 def problem_response(problem: Problem, instance: str | None = None) -> JSONResponse:
     body: dict[str, Any] = {
         "type": PROBLEM_BASE + problem.kind,
@@ -70,7 +79,7 @@ def problem_response(problem: Problem, instance: str | None = None) -> JSONRespo
     if instance:
         body["instance"] = instance
     body.update(problem.extra)
-    return JSONResponse(body, status_code=problem.status, media_type=PROBLEM_JSON, headers=problem.headers)
+    return ProblemResponse(body, status_code=problem.status, headers=problem.headers)
 
 
 def _field(loc: Sequence[Any]) -> str:
@@ -141,6 +150,26 @@ def install(app: FastAPI) -> None:
             return problem_response(unavailable(), request.url.path)
         logger.exception("database error")
         return problem_response(Problem(500, "an internal error occurred"), request.url.path)
+
+    @app.exception_handler(psycopg.errors.TransactionRollback)
+    async def _conflict_in_db(request: Request, exc: psycopg.errors.TransactionRollback) -> JSONResponse:
+        # A deadlock or serialization failure with a concurrent request: this one was rolled back.
+        return problem_response(
+            Problem(
+                409,
+                "a concurrent request touched the same data; nothing was written, retry",
+                kind="concurrent-update",
+                title="Concurrent update",
+                headers={"Retry-After": "1"},
+            ),
+            request.url.path,
+        )
+
+    @app.exception_handler(UnicodeEncodeError)
+    async def _unicode(request: Request, exc: UnicodeEncodeError) -> JSONResponse:
+        # Raised before a value reaches PostgreSQL (a lone surrogate in a JSON string): bad input,
+        # and the transaction it was in rolled back.
+        return problem_response(Problem(422, "a text value is not valid Unicode (a lone surrogate?)"), request.url.path)
 
     @app.exception_handler(psycopg_pool.PoolTimeout)
     async def _pool(request: Request, exc: psycopg_pool.PoolTimeout) -> JSONResponse:

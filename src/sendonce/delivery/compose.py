@@ -17,7 +17,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from sendonce.delivery.render import CompiledTemplate, TemplateError, compile_template, inline_css
+from sendonce.delivery.render import CompiledTemplate, compile_template, inline_css
 from sendonce.domain.addresses import parse_address
 from sendonce.domain.dkim import DkimKey
 from sendonce.domain.jobs import JOB_ID_HEADER, message_id
@@ -95,9 +95,12 @@ def load_dkim_key(settings: DkimSettings) -> DkimKey:
         if not value:
             raise ComposeLater(f"the DKIM key of {settings.domain} is not in ${settings.key_env}")
         pem = value.replace("\\n", "\n").encode()
-    if b"PRIVATE KEY" not in pem:
-        raise ComposeLater(f"the DKIM key of {settings.domain} is not a PEM private key")
-    return DkimKey(settings.domain, settings.selector, pem)
+    key = DkimKey(settings.domain, settings.selector, pem)
+    try:
+        key.sign(b"From: check@example.com\r\nSubject: check\r\n\r\ncheck\r\n")
+    except Exception as exc:  # dkimpy raises its own types for unusable keys
+        raise ComposeLater(f"the DKIM key of {settings.domain} cannot sign: {exc}") from None
+    return key
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,8 +258,9 @@ class Composer:
                 subject, text, html = compile_campaign(
                     subject=campaign.subject, text=campaign.text_body, html=campaign.html_body
                 )
-            except TemplateError as exc:
-                # Checked when the campaign was created; if it fails now, each row fails with the reason.
+            except Exception as exc:
+                # Checked when the campaign was created; if it fails now, each row fails with the reason
+                # (and one campaign's content never stops the worker).
                 logger.error("campaign %s cannot be compiled: %s", campaign.campaign_id, exc)
                 continue
             envelope_from, _ = wire_address(campaign.from_email)

@@ -7,12 +7,13 @@ variables are errors (StrictUndefined), never blanks in a sent mail.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2
-from jinja2 import meta
+from jinja2 import meta, nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -23,8 +24,55 @@ class TemplateError(InvalidInput):
     """The template cannot be rendered."""
 
 
-_TEXT = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True)
-_HTML = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=True, keep_trailing_newline=True)
+MAX_ITERATIONS = 100_000
+"""Loop iterations one render may make, all loops together."""
+MAX_OUTPUT = 2_000_000
+"""Characters one render may produce."""
+MAX_REPEAT = 100_000
+"""Longest string or list a template may build with ``*``."""
+
+_BUDGET: ContextVar[list[int]] = ContextVar("sendonce_template_budget")
+
+
+def _budgeted(iterable: Any) -> Iterator[Any]:
+    """Every template loop iterates through here: a template that loops too much is stopped."""
+    budget = _BUDGET.get(None)
+    for item in iterable:
+        if budget is not None:
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise SecurityError(f"the template loops too much (over {MAX_ITERATIONS} iterations)")
+        yield item
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with limits on work as well as on access: loops share an iteration budget per
+    render, ``*`` and ``**`` cannot build huge values, and output is capped as it is produced."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.globals["_sendonce_iter"] = _budgeted
+
+    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
+        tree = super()._parse(source, name, filename)
+        for loop in tree.find_all(nodes.For):
+            loop.iter = nodes.Call(nodes.Name("_sendonce_iter", "load"), [loop.iter], [], None, None)
+        return tree
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and isinstance(right, int | float) and abs(right) > 64:
+            raise SecurityError("the template computes a power too large")
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, str | list | tuple) and isinstance(times, int) and len(seq) * times > MAX_REPEAT:
+                    raise SecurityError(f"the template builds a value longer than {MAX_REPEAT}")
+        return super().call_binop(context, operator, left, right)
+
+
+_TEXT = _Sandbox(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True)
+_HTML = _Sandbox(undefined=jinja2.StrictUndefined, autoescape=True, keep_trailing_newline=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,14 +86,24 @@ class CompiledTemplate:
         if self._static is not None:
             return self._static
         assert self._template is not None
+        token = _BUDGET.set([MAX_ITERATIONS])
         try:
-            return self._template.render(context)
+            parts: list[str] = []
+            size = 0
+            for part in self._template.generate(context):
+                size += len(part)
+                if size > MAX_OUTPUT:
+                    raise SecurityError(f"the template produces more than {MAX_OUTPUT} characters")
+                parts.append(part)
+            return "".join(parts)
         except SecurityError as exc:
             raise TemplateError(f"the template tried something the sandbox forbids: {exc}") from None
         except jinja2.UndefinedError as exc:
             raise TemplateError(f"template variable missing: {exc}") from None
         except Exception as exc:  # a template is user code: any error is a template error
             raise TemplateError(f"the template failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            _BUDGET.reset(token)
 
 
 def compile_template(
@@ -92,7 +150,12 @@ def inline_css(html: str) -> str:
 
     if "<style" not in html.lower():
         return html
-    inlined = str(css_inline.inline(html))
+    # Never fetch: a <link rel=stylesheet> pointing anywhere must not make sendonce download it.
+    inliner = css_inline.CSSInliner(load_remote_stylesheets=False)
+    try:
+        inlined = str(inliner.inline(html))
+    except Exception:  # css-inline refuses some inputs (an unreachable stylesheet...): keep the HTML
+        return html
     try:
         before = meta.find_undeclared_variables(_HTML.parse(html))
         after = meta.find_undeclared_variables(_HTML.parse(inlined))

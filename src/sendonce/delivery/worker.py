@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from sendonce.delivery.compose import ComposeError, ComposeLater, Composer
+from sendonce.delivery.compose import ComposeError, ComposeLater, Composer, wire_address
 from sendonce.faults import NO_FAULTS, Faults
 from sendonce.notify import post_alert
 from sendonce.store import feedback, outbox, rate_limits
@@ -437,7 +437,8 @@ class Worker:
         by_domain: dict[str, list[ClaimedDelivery]] = {}
         for delivery in batch:
             if not delivery.blocked:
-                domain = delivery.email.rpartition("@")[2].lower()
+                # the A-label form: a domain typed in Unicode is the same domain, and the same limit
+                domain = wire_address(delivery.email)[0].rpartition("@")[2].lower()
                 if domain in self.config.domain_rates:
                     by_domain.setdefault(domain, []).append(delivery)
         deferred: list[tuple[Fenced, float]] = []
@@ -525,13 +526,13 @@ class Worker:
                     self._past_deadline(held, count_only=True)
                 self._push(_Result(held, None))
                 continue
-            if not isinstance(outcome, Accepted):
+            if isinstance(outcome, Accepted):
+                self.faults.hit("after_accept")
+            may_have_arrived = isinstance(outcome, Accepted) or (isinstance(outcome, Retry) and outcome.uncertain)
+            if self._idempotent or not may_have_arrived:
                 self._push(_Result(held, outcome))
                 continue
-            self.faults.hit("after_accept")
-            if self._idempotent:
-                self._push(_Result(held, outcome))
-                continue
+            # accepted, or lost in the middle of DATA: the next DATA waits until this is recorded
             result = _Result(held, outcome, recorded=asyncio.Event())
             self._push(result)
             unrecorded = result.recorded

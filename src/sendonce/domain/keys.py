@@ -9,11 +9,14 @@ rotation: the previous secret still verifies what was signed before the rotation
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 from dataclasses import dataclass
 from typing import Any
 
+from cryptography.fernet import Fernet, MultiFernet
+from cryptography.fernet import InvalidToken as InvalidFernetToken
 from itsdangerous import BadSignature, SignatureExpired, URLSafeSerializer, URLSafeTimedSerializer
 
 SIGNUP_EVENT = "signup_verification_requested"
@@ -50,6 +53,22 @@ class KeyRing:
         current = operation_key(self.current, account_id, event, email_key, origin)
         previous = operation_key(self.previous, account_id, event, email_key, origin) if self.previous else None
         return current, previous
+
+    def _fernet(self) -> MultiFernet:
+        def key(secret: bytes) -> Fernet:
+            return Fernet(base64.urlsafe_b64encode(hmac.new(secret, b"sendonce.seal", hashlib.sha256).digest()))
+
+        return MultiFernet([key(self.current)] + ([key(self.previous)] if self.previous else []))
+
+    def seal(self, data: bytes) -> str:
+        """Encrypt and authenticate ``data`` under the server secret (for secrets kept for a while)."""
+        return self._fernet().encrypt(data).decode("ascii")
+
+    def unseal(self, token: str) -> bytes:
+        try:
+            return self._fernet().decrypt(token.encode("ascii"))
+        except (InvalidFernetToken, ValueError):
+            raise InvalidToken("cannot be opened with the current or previous secret") from None
 
     def _serializer(self, purpose: str) -> URLSafeTimedSerializer:
         # itsdangerous signs with the last key and accepts any of them.

@@ -62,16 +62,15 @@ async def _link(conn: Conn, event: FeedbackEvent) -> dict[str, Any] | None:
     return None
 
 
-async def ingest(
-    conn: Conn, event: FeedbackEvent, policy: FeedbackPolicy, *, account_id: int | None = None
-) -> Ingested:
-    """Record one provider event, once, and apply its effects in the same transaction.
+async def ingest(conn: Conn, event: FeedbackEvent, policy: FeedbackPolicy) -> Ingested:
+    """Record one provider event, once, and apply its effects (call it inside a transaction).
 
-    The event is linked to its delivery by job id, then by the provider's message id; ``account_id``
-    attributes events that carry neither (the webhook URL's ``?account=``).
+    The event is linked to its delivery by job id, then by the provider's message id; an event of
+    our generic format may name its account instead (inside the signed body). Anything else cannot
+    be attributed to an account and is ignored.
     """
     delivery = await _link(conn, event)
-    owner = delivery["account_id"] if delivery is not None else account_id
+    owner = delivery["account_id"] if delivery is not None else event.account_id
     if owner is None:
         return Ingested(False, None, None, False)
     email = event.email or (delivery["email"] if delivery is not None else None)
@@ -82,7 +81,7 @@ async def ingest(
         except InvalidAddress:
             email_key = None
     suppressed = False
-    async with conn.transaction():
+    async with conn.transaction():  # a savepoint inside the caller's transaction
         inserted = await _one(
             conn,
             "insert_feedback_event",

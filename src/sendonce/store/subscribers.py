@@ -67,7 +67,8 @@ async def upsert_subscribers(
             merged[key] = SubscriberInput(
                 row.address, row.name, row.status, sorted(set(row.list_ids)), dict(row.attributes or {}) or None
             )
-    unique = list(merged.values())
+    # In address order: two imports with overlapping addresses lock rows in the same order
+    unique = sorted(merged.values(), key=lambda row: row.address.key)
     ids: dict[str, int] = {}
     created: set[str] = set()
     async with conn.transaction():

@@ -132,6 +132,9 @@ class ResendChannel(Channel):
             return Retry(f"timeout: {type(exc).__name__}", uncertain=True)
         except httpx.HTTPError as exc:
             return Retry(f"{type(exc).__name__}: {exc}"[:500], uncertain=isinstance(exc, httpx.RemoteProtocolError))
+        except Exception as exc:  # anything else must not take the worker down with it
+            logger.exception("unexpected error sending %s", message.job_id)
+            return Retry(f"unexpected {type(exc).__name__}: {exc}"[:500], uncertain=True)
         status = response.status_code
         if 200 <= status < 300:
             try:

@@ -146,6 +146,14 @@ class SmtpChannel(Channel):
             await self.close()
             # Past the start of DATA the server may have accepted the message before we lost it.
             return Retry(f"{phase}: {_describe(exc)}", uncertain=phase == "data")
+        except UnicodeEncodeError as exc:
+            # an address that needs SMTPUTF8 where the envelope cannot carry it
+            self._dirty = True
+            return Permanent(f"{phase}: an address cannot be written in ASCII: {exc}"[:500])
+        except Exception as exc:  # anything else must not take the worker down with it
+            logger.exception("unexpected error sending %s", message.job_id)
+            await self.close()
+            return Retry(f"{phase}: unexpected {_describe(exc)}", uncertain=phase == "data")
         self._last_used = time.monotonic()
         return Accepted(f"{response.code} {response.message}"[:300])
 

@@ -40,6 +40,9 @@ class FeedbackEvent:
     """When the provider says it happened, timezone-aware UTC."""
     detail: dict[str, Any]
     """A short, JSON-serializable diagnostic: bounce type and subtype, SMTP status, description."""
+    account_id: int | None = None
+    """The account the (signed) event names itself (generic format only): for an event that names
+    neither a job id nor a provider message id."""
 
 
 @dataclass(frozen=True, slots=True)

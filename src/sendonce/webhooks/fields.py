@@ -134,7 +134,10 @@ def parse_iso_time(value: str, path: str, *, require_offset: bool = False) -> da
         if require_offset:
             raise PayloadError(f"{path} must include a UTC offset (e.g. 'Z'): {value[:64]!r}")
         parsed = parsed.replace(tzinfo=UTC)
-    return parsed.astimezone(UTC)
+    try:
+        return parsed.astimezone(UTC)
+    except OverflowError:  # year 9999 with a negative offset, and the like
+        raise PayloadError(f"{path} is out of range: {value[:64]!r}") from None
 
 
 def opt_iso_time(obj: Mapping[str, Any], key: str, path: str = "") -> datetime | None:

@@ -39,7 +39,7 @@ PROVIDER = "generic"
 SIGNATURE_HEADER = "sendonce-signature"
 TIMESTAMP_HEADER = "sendonce-timestamp"
 TYPES = (HARD_BOUNCE, SOFT_BOUNCE, COMPLAINT, DELIVERED)
-_EVENT_FIELDS = frozenset({"id", "type", "email", "job_id", "occurred_at", "detail"})
+_EVENT_FIELDS = frozenset({"id", "type", "email", "job_id", "account_id", "occurred_at", "detail"})
 _MAX_ID_LENGTH = 200
 _MAX_DETAIL_BYTES = 4096
 
@@ -95,6 +95,9 @@ def _event(item: Mapping[str, Any], path: str) -> FeedbackEvent:
         raise PayloadError(f"{path}.type {kind[:64]!r} is not one of {', '.join(TYPES)}")
     email = fields.req_str(item, "email", path)
     job_id = fields.opt_str(item, "job_id", path)
+    account = item.get("account_id")
+    if account is not None and (isinstance(account, bool) or not isinstance(account, int) or not 1 <= account < 2**63):
+        raise PayloadError(f"{path}.account_id must be a positive integer")
     occurred = fields.opt_str(item, "occurred_at", path)
     occurred_at = None
     if occurred is not None:
@@ -115,4 +118,5 @@ def _event(item: Mapping[str, Any], path: str) -> FeedbackEvent:
         provider_message_id=None,
         occurred_at=occurred_at,
         detail=info,
+        account_id=account,
     )

@@ -18,24 +18,12 @@ from sendonce.store import lists as list_store
 router = APIRouter(tags=["account"])
 
 
-class DkimIn(BaseModel):
-    domain: Annotated[str, StringConstraints(min_length=3, max_length=253, pattern=r"^[A-Za-z0-9.-]+$")]
-    selector: Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9._-]+$")]
-    key_file: Annotated[str, StringConstraints(min_length=1, max_length=4096)] | None = Field(
-        default=None, description="path of the PEM private key, readable by the workers"
-    )
-    key_env: (
-        Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None
-    ) = Field(default=None, description="name of the workers' environment variable that holds the PEM private key")
-
-
 class AccountSettingsIn(BaseModel):
     signup_window: Annotated[str, StringConstraints(max_length=20)] | None = Field(
         default=None, description="idempotency window of signups, such as 90s, 15m, 1h; 'default' for the server's"
     )
     signup_list_id: Annotated[int, Field(ge=1, le=BIGINT_MAX)] | None = None
     from_name: Annotated[str, StringConstraints(max_length=200)] | None = None
-    dkim: DkimIn | None = Field(default=None, description="DKIM signing for SMTP; null turns it off")
 
 
 def _out(account: store.Account) -> dict[str, Any]:
@@ -81,11 +69,6 @@ async def update_account(body: AccountSettingsIn, account: CurrentAccount, conn:
         conn, account.account_id, [body.signup_list_id]
     ):
         raise Problem(422, f"unknown list id: {body.signup_list_id}")
-    dkim: store.DkimSettings | None = None
-    if body.dkim is not None:
-        if (body.dkim.key_file is None) == (body.dkim.key_env is None):
-            raise Problem(422, "dkim: give key_file or key_env (where the workers read the private key), not both")
-        dkim = store.DkimSettings(body.dkim.domain.lower(), body.dkim.selector, body.dkim.key_file, body.dkim.key_env)
     updated = await store.update_settings(
         conn,
         account.account_id,
@@ -93,7 +76,5 @@ async def update_account(body: AccountSettingsIn, account: CurrentAccount, conn:
         clear_window=clear,
         signup_list_id=body.signup_list_id,
         from_name=body.from_name,
-        dkim=dkim,
-        set_dkim="dkim" in body.model_fields_set,
     )
     return _out(updated)

@@ -104,14 +104,13 @@ async def _check_recipients_can_be_rendered(conn: Db, account_id: int, campaign_
     if campaign is None or campaign.status.value != "draft":
         return  # the CAS reports it
     keys = sorted(attribute_keys(campaign.subject, campaign.text_body, campaign.html_body))
-    if not keys:
-        return
-    lacking = await store.recipients_missing_attributes(conn, account_id, campaign_id, keys)
-    if not lacking:
-        return
+    # Recipients lacking an attribute the templates read, and a few others: rendering for them now
+    # finds a missing variable or a template that cannot finish before anything is sent.
+    lacking = await store.recipients_missing_attributes(conn, account_id, campaign_id, keys) if keys else []
+    sample = await store.recipients_missing_attributes(conn, account_id, campaign_id, [], limit=3)
     subject, text, html = compile_campaign(subject=campaign.subject, text=campaign.text_body, html=campaign.html_body)
     failures: list[tuple[str, str]] = []
-    for row in lacking[:50]:
+    for row in [*lacking[:50], *sample]:
         context = campaign_context(
             email=row["email"],
             name=row["name"],
@@ -128,6 +127,13 @@ async def _check_recipients_can_be_rendered(conn: Db, account_id: int, campaign_
         except TemplateError as exc:
             failures.append((row["email"], str(exc)))
     if failures:
+        if not lacking:
+            raise Problem(
+                422,
+                f"the templates cannot be rendered (e.g. for {failures[0][0]}): {failures[0][1]}",
+                kind="template-error",
+                title="Template error",
+            )
         count = f"{len(lacking)}{'+' if len(lacking) >= 1000 else ''}"
         examples = ", ".join(email for email, _ in failures[:3])
         raise Problem(

@@ -17,7 +17,12 @@ from sendonce.store.queries import query
 
 router = APIRouter(tags=["outbox"])
 
-EVENTS = {SIGNUP_EVENT: SIGNUP_EVENT, "message": "message", "campaign": "campaign"}
+EVENTS = {
+    SIGNUP_EVENT: SIGNUP_EVENT,
+    "list_confirmation_requested": "list_confirmation_requested",
+    "message": "message",
+    "campaign": "campaign",
+}
 
 
 def _cursor(value: str | None) -> int | None:

@@ -69,9 +69,22 @@ def _attributes(value: Any) -> dict[str, Any] | None:
     return value
 
 
+def _encodable(value: Any) -> bool:
+    """False for strings PostgreSQL cannot store: lone surrogates, NUL."""
+    if not isinstance(value, str):
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in value
+
+
 def parse_row(email: Any, name: Any, status: Any, lists: Any, attributes: Any = None) -> SubscriberInput:
     if not isinstance(email, str):
         raise RowError("email is required and must be a string")
+    if not _encodable(email) or not _encodable(name):
+        raise RowError("text must be valid Unicode without NUL characters")
     try:
         address = parse_address(email)
     except InvalidAddress as exc:
@@ -80,7 +93,7 @@ def parse_row(email: Any, name: Any, status: Any, lists: Any, attributes: Any = 
         raise RowError("name must be a string of at most 200 characters")
     if isinstance(name, str) and "\x00" in name:
         raise RowError("name must not contain NUL characters")
-    if status is not None and status not in SUBSCRIBER_STATUSES:
+    if status is not None and (not isinstance(status, str) or status not in SUBSCRIBER_STATUSES):
         raise RowError(f"status must be one of {', '.join(sorted(SUBSCRIBER_STATUSES))}")
     return SubscriberInput(
         address=address,
@@ -231,13 +244,14 @@ async def _import(request: Request, account_id: int, conn: Conn, list_id: int, p
             errors.append({"line": line, "email": row.get("email"), "error": str(exc)})
     created_ids: set[int] = set()
     updated_ids: set[int] = set()
-    for start in range(0, len(pending), IMPORT_CHUNK):
-        chunk = pending[start : start + IMPORT_CHUNK]
-        applied = await _apply(
-            conn, account_id, chunk, preconfirm=preconfirm, confirm_url=confirm_url_maker(request, account_id)
-        )
-        for _, _, subscriber_id, was_created in applied:
-            (created_ids if was_created else updated_ids).add(subscriber_id)
+    async with conn.transaction():  # all or nothing: a failure leaves no half import behind
+        for start in range(0, len(pending), IMPORT_CHUNK):
+            chunk = pending[start : start + IMPORT_CHUNK]
+            applied = await _apply(
+                conn, account_id, chunk, preconfirm=preconfirm, confirm_url=confirm_url_maker(request, account_id)
+            )
+            for _, _, subscriber_id, was_created in applied:
+                (created_ids if was_created else updated_ids).add(subscriber_id)
     created, updated = len(created_ids), len(updated_ids - created_ids)
     if not pending:
         raise Problem(

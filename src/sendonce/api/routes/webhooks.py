@@ -3,7 +3,8 @@
 Each request is verified (signature or shared secret) before anything is read from it. Ingestion is
 idempotent on the provider's event id: a provider that retries, or sends the same event twice, has
 its event applied once. Events are linked to their delivery by our job id, else by the provider's
-message id; an event that names neither is attributed to ``?account=<id>`` if given, else ignored.
+message id; an event that names neither is ignored, unless it is of the generic format and names its
+account inside the signed body (a query parameter would not be covered by the signature).
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import httpx
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Path, Request
 
 from sendonce.api.deps import Db
-from sendonce.api.models import BIGINT_MAX
 from sendonce.api.problems import Problem
 from sendonce.api.services import services_of
 from sendonce.store import feedback
@@ -46,9 +46,6 @@ async def receive(
     provider: Annotated[str, Path(max_length=32)],
     request: Request,
     conn: Db,
-    account: Annotated[
-        int | None, Query(ge=1, le=BIGINT_MAX, description="account of events that name no delivery")
-    ] = None,
 ) -> dict[str, Any]:
     services = services_of(request)
     if provider not in PROVIDERS:
@@ -82,14 +79,15 @@ async def receive(
         return {"subscription": parsed.topic_arn, "confirmed": confirmed}
     new = unattributed = 0
     campaigns: set[tuple[int, int]] = set()
-    for event in parsed:
-        result = await feedback.ingest(conn, event, services.feedback, account_id=account)
-        if result.account_id is None:
-            unattributed += 1
-            continue
-        new += result.new
-        if result.new and result.campaign_id is not None and event.kind in ("hard_bounce", "complaint"):
-            campaigns.add((result.account_id, result.campaign_id))
+    async with conn.transaction():  # the whole request or nothing: a provider retries a failed one
+        for event in parsed:
+            result = await feedback.ingest(conn, event, services.feedback)
+            if result.account_id is None:
+                unattributed += 1
+                continue
+            new += result.new
+            if result.new and result.campaign_id is not None and event.kind in ("hard_bounce", "complaint"):
+                campaigns.add((result.account_id, result.campaign_id))
     for account_id, campaign_id in campaigns:
         alert = await feedback.check_campaign(conn, account_id, campaign_id, services.feedback)
         if alert is not None:

@@ -69,12 +69,16 @@ RETURNING s.subscriber_id, s.email_key;
 -- List memberships; an existing one (even unsubscribed) is left as it is. A new membership of a
 -- double opt-in list is pending until its confirmation link is used, unless the caller vouches for
 -- the consent (preconfirm). Returns the new pending memberships: each needs its confirmation mail.
-INSERT INTO sendonce.list_members (account_id, list_id, subscriber_id, status)
+INSERT INTO sendonce.list_members AS m (account_id, list_id, subscriber_id, status)
 SELECT %(account_id)s, u.list_id, u.subscriber_id,
        CASE WHEN l.opt_in = 'double' AND NOT %(preconfirm)s THEN 'pending' ELSE 'confirmed' END::sendonce.membership_status
   FROM unnest(%(list_ids)s::bigint[], %(subscriber_ids)s::bigint[]) AS u(list_id, subscriber_id)
   JOIN sendonce.lists l ON l.account_id = %(account_id)s AND l.list_id = u.list_id
-ON CONFLICT (account_id, list_id, subscriber_id) DO NOTHING
+ ORDER BY u.list_id, u.subscriber_id
+ON CONFLICT (account_id, list_id, subscriber_id) DO UPDATE
+   -- vouched-for consent confirms a membership still pending; nothing else is changed
+   SET status = 'confirmed', updated_at = now()
+ WHERE %(preconfirm)s AND m.status = 'pending'
 RETURNING list_id, subscriber_id, status;
 
 -- enqueue_optin_confirmations --
@@ -719,7 +723,7 @@ UPDATE sendonce.list_members m
   FROM sendonce.campaign_lists cl
  WHERE cl.account_id = %(account_id)s AND cl.campaign_id = %(campaign_id)s
    AND m.account_id = cl.account_id AND m.list_id = cl.list_id AND m.subscriber_id = %(subscriber_id)s
-   AND m.status <> 'unsubscribed'
+   AND m.status = 'confirmed'
 RETURNING m.list_id;
 
 -- resubscribe_campaign_lists --
@@ -880,11 +884,12 @@ SELECT subscriber_id, email, name, attributes
    AND (subscriber_id = %(subscriber_id)s::bigint OR email_key = %(email_key)s::text);
 
 -- recipients_missing_attributes --
--- Recipients a campaign would reach that lack one of the attributes its templates use.
+-- Recipients a campaign would reach that lack one of the attributes its templates use (with no
+-- attributes given: any recipients, a sample).
 SELECT s.subscriber_id, s.email, s.name, s.attributes
   FROM sendonce.subscribers s
  WHERE s.account_id = %(account_id)s AND s.status = 'confirmed'
-   AND NOT (s.attributes ?& %(keys)s::text[])
+   AND (cardinality(%(keys)s::text[]) = 0 OR NOT (s.attributes ?& %(keys)s::text[]))
    AND EXISTS (SELECT 1
                  FROM sendonce.list_members m
                  JOIN sendonce.campaign_lists cl ON cl.account_id = m.account_id AND cl.list_id = m.list_id
