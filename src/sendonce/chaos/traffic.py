@@ -281,8 +281,10 @@ class SignupTraffic:
 def _lock_queued_row(conn: psycopg.Connection[Any], account_id: int, campaign_id: int, skip: int) -> str | None:
     row = conn.execute(
         # attempt = 0: never claimed, so no earlier attempt can have reached the recipient already.
-        "SELECT email FROM sendonce.deliveries WHERE account_id = %s AND campaign_id = %s AND status = 'queued' "
-        "AND attempt = 0 ORDER BY delivery_id DESC OFFSET %s LIMIT 1 FOR UPDATE SKIP LOCKED",
+        "SELECT d.email FROM sendonce.deliveries d WHERE d.account_id = %s AND d.campaign_id = %s "
+        "AND d.status = 'queued' AND d.attempt = 0 AND NOT EXISTS (SELECT 1 FROM sendonce.suppressions x "
+        "WHERE x.account_id = d.account_id AND x.email_key = d.email_key) "
+        "ORDER BY d.delivery_id DESC OFFSET %s LIMIT 1 FOR UPDATE OF d SKIP LOCKED",
         (account_id, campaign_id, skip),
     ).fetchone()
     return str(row[0]) if row else None
