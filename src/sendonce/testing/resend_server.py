@@ -7,8 +7,10 @@
 * the same key with a different body: ``409 invalid_idempotent_request``;
 * the same key while the first request is still being handled: ``409 concurrent_idempotent_requests``.
 
-Faults, each a probability per request: 429, 500, and "accept then stall" (the email is recorded,
-then the answer is delayed past the client's timeout: the ambiguous case).
+Faults, each a probability per request: 429, 500, "accept then stall" (the email is recorded,
+then the answer is delayed past the client's timeout: the ambiguous case), and "replay conflict" (a
+repeat of a key already answered gets ``409 invalid_idempotent_request`` instead of the replay, as a
+provider that forgot the body but remembers the key would answer).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class ResendFaults:
     stall_seconds: float = 5.0
     delay_seconds: float = 0.0
     """Every request waits this long before it is handled (a slow provider)."""
+    replay_conflict: float = 0.0
+    """A repeat of a key that was already answered gets a 409 instead of the stored answer."""
     seed: int | None = None
     counts: Counter[str] = field(default_factory=Counter)
 
@@ -127,6 +131,15 @@ class ResendServer:
                         {
                             "name": "invalid_idempotent_request",
                             "message": "key already used with another payload",
+                        },
+                        status_code=409,
+                    )
+                if faults.roll(faults.replay_conflict):
+                    faults.counts["409_replay_conflict"] += 1
+                    return JSONResponse(
+                        {
+                            "name": "invalid_idempotent_request",
+                            "message": "this idempotency key was already used",
                         },
                         status_code=409,
                     )

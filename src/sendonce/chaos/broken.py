@@ -1,0 +1,107 @@
+"""Deliberately broken builds of the worker, to prove that the chaos suite catches what they break.
+
+Only the chaos suite turns them on: it starts workers as
+
+    python -m sendonce.chaos.broken <build> --log-level info worker ...
+
+which patches this one process and then runs the normal ``sendonce`` CLI. Nothing in sendonce reads
+a switch for them; the code under test is untouched.
+
+Builds:
+
+``no-fencing``
+    ``record_sent``, ``record_retry`` and ``record_failed`` lose their ``AND d.attempt = u.attempt``:
+    a worker presumed dead completes rows that another worker re-claimed (zombie completions). The
+    partition scenario must catch it.
+
+``mark-sent-first``
+    The seed's ordering: each row is recorded ``sent`` (and committed) *before* the transport is
+    called, and the outcome of the call is ignored. A kill between the two loses the message
+    silently. The kills scenario must report losses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from datetime import UTC, datetime
+
+from sendonce.delivery.compose import ComposeError
+from sendonce.delivery.worker import Worker, _Lane, _Result
+from sendonce.store import outbox
+from sendonce.store.outbox import SentRecord
+from sendonce.store.queries import QUERIES
+from sendonce.transports.base import Channel, Permanent
+
+BUILDS = ("no-fencing", "mark-sent-first")
+FENCE = "AND d.attempt = u.attempt"
+
+
+def remove_fencing() -> None:
+    for name in ("record_sent", "record_retry", "record_failed"):
+        if FENCE not in QUERIES[name]:
+            raise RuntimeError(f"query {name} has no {FENCE!r} any more: update sendonce.chaos.broken")
+        QUERIES[name] = QUERIES[name].replace(FENCE, "")
+
+
+async def _sender_marking_sent_first(self: Worker, channel: Channel) -> None:
+    """The worker's sender with the seed's order: mark sent, commit, then send (and never look back)."""
+    loop = asyncio.get_running_loop()
+    lane = _Lane(self.url)
+    try:
+        while True:
+            held = await self._ready.get()
+            self._space.set()
+            if held is None:
+                return
+            if held.revoked:
+                self._held.pop(held.delivery.key, None)
+                continue
+            if self._stopping or held.release or loop.time() >= held.lease_end - self.config.margin:
+                self._push(_Result(held, None))
+                continue
+            try:
+                message = self.composer.compose(held.delivery)
+            except ComposeError as exc:
+                held.started = True
+                self._push(_Result(held, Permanent(f"cannot compose: {exc}")))
+                continue
+            d = held.delivery
+            record = SentRecord(d.account_id, d.delivery_id, d.attempt, None, datetime.now(UTC))
+            held.started = True
+            await outbox.record_sent(await lane.get(), [record])  # committed: the row is 'sent' now
+            self._held.pop(d.key, None)
+            self.stats.sent += 1
+            self.faults.hit("before_send")
+            await channel.send(message, timeout=self.config.send_timeout)
+    finally:
+        await lane.reset()
+
+
+def mark_sent_first() -> None:
+    Worker._sender = _sender_marking_sent_first  # type: ignore[method-assign]
+
+
+def apply(build: str) -> None:
+    if build == "no-fencing":
+        remove_fencing()
+    elif build == "mark-sent-first":
+        mark_sent_first()
+    else:
+        raise SystemExit(f"unknown broken build {build!r}; known: {', '.join(BUILDS)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``<build> <sendonce CLI arguments...>``: patch this process, then run the normal CLI."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        raise SystemExit(f"usage: python -m sendonce.chaos.broken {{{','.join(BUILDS)}}} <sendonce arguments>")
+    apply(args[0])
+    from sendonce.cli import main as cli_main
+
+    sys.argv = ["sendonce", *args[1:]]
+    cli_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,483 @@
+"""Shared orchestration: one scenario's database, sink, API and worker processes, and its verdict.
+
+A scenario function (see :mod:`sendonce.chaos.scenarios`) reads as the story of its faults; the
+harness does everything else the same way every time:
+
+1. a fresh database, its schema applied by real ``sendonce db upgrade`` processes, the audit trigger;
+2. the sink (SMTP inboxes or the Resend-compatible API), ``--apis`` ``sendonce api`` processes and
+   the campaign set up through them; ``--workers`` ``sendonce worker`` processes;
+3. the campaign approved and signup traffic started; the scenario injects its faults, while the
+   harness replaces processes that died by the fault hook;
+4. the end: signup traffic answered, the fleet stopped (SIGTERM), ``sendonce worker --drain``
+   processes finish what is left and must exit by themselves;
+5. the verdict, from the sink (see :mod:`sendonce.chaos.invariants`).
+
+Every wait has a deadline and every process is killed on the way out, whatever happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sendonce.chaos.database import ChaosDatabase, ChaosServer
+from sendonce.chaos.invariants import Check, Expectation, Verdict, judge, read_database, zombie_completions
+from sendonce.chaos.processes import Fleet, Proc, WorkerOptions, wait_healthy, worker_stats
+from sendonce.chaos.sinks import Sink, describe_faults
+from sendonce.chaos.traffic import Api, ApiUnavailable, CampaignSetup, SignupTraffic, approve, setup_campaign
+
+logger = logging.getLogger(__name__)
+
+# Throw-away credentials of the scratch API processes (loopback only).
+ADMIN_TOKEN = "chaos-admin-token"  # noqa: S105
+SECRET = "chaos-secret-0123456789abcdef0123456789"  # noqa: S105
+
+
+@dataclass
+class Options:
+    """Everything a scenario may be told (the command line, or a test)."""
+
+    recipients: int = 400
+    kills: int | None = None
+    """External SIGKILLs of workers; None: the scenario's default."""
+    workers: int = 3
+    concurrency: int = 4
+    batch_size: int = 10
+    lease: float = 2.0
+    tick: float = 0.5
+    apis: int = 2
+    signups: int = 30
+    transport: str | None = None
+    """smtp or resend; None: the scenario's default (kills runs both)."""
+    restarts: int = 3
+    down: float = 1.0
+    partitions: int = 1
+    partition_mode: str = "both"
+    pauses: int = 2
+    opt_outs: int = 6
+    upgrades: int = 2
+    faults: str | None = None
+    """SENDONCE_FAULTS for the workers; None: the scenario's default."""
+    broken: str | None = None
+    seed: int = 0
+    timeout: float | None = None
+    """Longest chaos phase, in seconds; None: from the size of the campaign."""
+    keep_db: bool = False
+
+    @property
+    def chaos_timeout(self) -> float:
+        # Generous: a shared 2-core machine may send fewer than 50 messages a second under chaos.
+        return self.timeout if self.timeout is not None else 120.0 + self.recipients / 40.0
+
+    @property
+    def drain_timeout(self) -> float:
+        return 60.0 + self.recipients / 250.0
+
+    def worker_options(self) -> WorkerOptions:
+        return WorkerOptions(self.concurrency, self.batch_size, self.lease, self.tick)
+
+
+@dataclass
+class Result:
+    """One row of the table, with the checks behind it."""
+
+    scenario: str
+    transport: str
+    postgres: str
+    recipients: int
+    kills: int = 0
+    hook_kills: int = 0
+    api_kills: int = 0
+    restarts: int = 0
+    faults: str = ""
+    delivered: int = 0
+    duplicates: int = 0
+    recorded: int = 0
+    unrecorded: int = 0
+    lost: int = 0
+    duration: float = 0.0
+    checks: list[Check] = field(default_factory=list)
+    skipped: str | None = None
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+    log_dir: str = ""
+    seed: int = 0
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.skipped is not None or (self.error is None and all(c.ok for c in self.checks))
+
+    @property
+    def verdict(self) -> str:
+        if self.skipped is not None:
+            return "skipped"
+        return "pass" if self.ok else "FAIL"
+
+    def check(self, name: str) -> Check | None:
+        return next((c for c in self.checks if c.name == name), None)
+
+
+@dataclass
+class Context:
+    """What every scenario of one run shares."""
+
+    options: Options
+    server: ChaosServer
+    run_dir: Path
+    say: Callable[[str], None] = print
+
+
+class Harness:
+    """One scenario's world. Use as a context manager; everything is torn down on the way out."""
+
+    def __init__(self, name: str, transport: str, ctx: Context, sink: Sink, *, lease: float | None = None) -> None:
+        self.name = name
+        self.options = ctx.options
+        self.server = ctx.server
+        self.sink = sink
+        self.say = ctx.say
+        options = ctx.options
+        self.worker_options = options.worker_options()
+        if lease is not None:
+            self.worker_options = dataclasses.replace(self.worker_options, lease=lease)
+        self.run_dir = ctx.run_dir / f"{name}-{transport}"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.rng = random.Random(options.seed)
+        self.result = Result(
+            scenario=name,
+            transport=transport,
+            postgres=ctx.server.kind,
+            recipients=options.recipients,
+            log_dir=str(self.run_dir),
+            seed=options.seed,
+        )
+        self.db: ChaosDatabase | None = None
+        self.fleet: Fleet | None = None
+        self.api: Api | None = None
+        self.setup: CampaignSetup | None = None
+        self.signups: SignupTraffic | None = None
+        self.expect: Expectation | None = None
+        self.faults_injected: dict[str, int] = {}
+        self.partitions = 0
+        self.extra_checks: list[Check] = []
+        self.worker_faults: str | None = None
+        self.api_faults: str | None = None
+        self.started = time.monotonic()
+        self.approved_at = 0.0
+        self._reported = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def __enter__(self) -> Harness:
+        db_name = f"sendonce_chaos_{self.name.replace('-', '_')}_{self.result.transport}_{os.getpid()}"
+        try:
+            self.db = self.server.create(db_name)
+        except BaseException:
+            self.sink.stop()
+            raise
+        self.fleet = Fleet(
+            self.run_dir,
+            self.db.url,
+            self.worker_options,
+            broken=self.options.broken,
+            fault_seed=self.options.seed * 1000,
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.signups is not None:
+            self.signups.wait(0)
+            self.signups.api.close()
+        if self.fleet is not None:
+            self.fleet.close()
+        if self.api is not None:
+            self.api.close()
+        with contextlib.suppress(Exception):
+            self.sink.stop()
+        if self.db is not None and not self.options.keep_db:
+            with contextlib.suppress(Exception):
+                self.db.drop()
+
+    # -- parts -----------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        assert self.db is not None
+        return self.db.url
+
+    @property
+    def procs(self) -> Fleet:
+        assert self.fleet is not None
+        return self.fleet
+
+    def upgrade(self, concurrent: int = 1) -> list[int]:
+        """Apply the schema with ``concurrent`` ``sendonce db upgrade`` processes started at once."""
+        env = {"SENDONCE_DATABASE_URL": self.url}
+        procs = [
+            self.procs.run_cli("upgrade", ["--log-level", "info", "db", "upgrade"], env) for _ in range(concurrent)
+        ]
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.popen.wait(timeout=60))
+            except Exception:
+                self.procs.kill(proc)
+                codes.append(-1)
+        assert self.db is not None
+        if 0 in codes:  # the schema is there (migrations apply in one transaction, or not at all)
+            self.db.install_audit()
+        return codes
+
+    def api_env(self) -> dict[str, str]:
+        return {
+            "SENDONCE_ADMIN_TOKEN": ADMIN_TOKEN,
+            "SENDONCE_SECRET": SECRET,
+            "SENDONCE_PUBLIC_URL": "https://app.chaos.test",
+        }
+
+    def start_apis(self, faults: str | None = None) -> list[Proc]:
+        self.api_faults = faults
+        procs = [self.procs.spawn_api(self.api_env(), faults=faults) for _ in range(self.options.apis)]
+        for proc in procs:
+            if not wait_healthy(proc):
+                raise RuntimeError(f"the API process did not start: see {proc.log_path}")
+        self.api = Api(lambda: [p.base_url for p in self.procs.live("api")], self.rng)
+        return procs
+
+    def set_up_campaign(self) -> CampaignSetup:
+        assert self.api is not None
+        self.setup = setup_campaign(self.api, ADMIN_TOKEN, self.options.recipients)
+        self.expect = Expectation(self.setup.campaign_id, set(self.setup.intended))
+        return self.setup
+
+    def start_workers(self, faults: str | None, count: int | None = None) -> list[Proc]:
+        self.worker_faults = faults
+        n = self.options.workers if count is None else count
+        return [self.procs.spawn_worker(self.sink.url(), faults=faults) for _ in range(n)]
+
+    def go(self) -> None:
+        """Approve the campaign and start the signup traffic."""
+        assert self.api is not None and self.setup is not None
+        self.phase("set up")
+        approve(self.api, self.setup.campaign_id)
+        self.approved_at = time.monotonic()
+        estimate = max(3.0, self.options.recipients / 600.0)
+        threads = 4
+        pace = estimate * threads / max(self.options.signups * 1.75, 1)
+        signup_api = Api(self.api.bases, random.Random(self.options.seed + 1), self.setup.api_key)
+        self.signups = SignupTraffic(
+            signup_api, self.options.signups, random.Random(self.options.seed + 2), pace, threads
+        ).start()
+
+    # -- watching --------------------------------------------------------------------------------
+
+    @property
+    def campaign_prefix(self) -> str:
+        assert self.setup is not None
+        return f"campaign:{self.setup.campaign_id}:"
+
+    def progress(self) -> float:
+        """Fraction of the campaign's recipients that received something (from the sink)."""
+        assert self.setup is not None
+        return self.sink.count(self.campaign_prefix) / max(len(self.setup.intended), 1)
+
+    def babysit(self) -> None:
+        """Replace processes that died by the fault hook (or crashed: that is recorded)."""
+        fleet = self.procs
+        for proc in list(fleet.procs):
+            if not fleet.reap(proc):
+                continue
+            if proc.role == "api":
+                # Not waited for: clients retry on the live ones meanwhile, and the chaos goes on.
+                port = int(proc.base_url.rsplit(":", 1)[1])
+                fleet.spawn_api(self.api_env(), port=port, faults=self.api_faults)
+            elif proc.role == "worker":
+                fleet.spawn_worker(self.sink.url(), faults=self.worker_faults)
+
+    def wait_until(self, condition: Callable[[], bool], deadline: float, step: float = 0.02) -> bool:
+        while time.monotonic() < deadline:
+            self.babysit()
+            self._report_progress()
+            if condition():
+                return True
+            time.sleep(step)
+        return condition()
+
+    def _report_progress(self) -> None:
+        """A line per tenth of a large campaign, so a long run shows it is alive."""
+        if self.setup is None or self.options.recipients < 5000:
+            return
+        tenth = int(self.progress() * 10)
+        if tenth > self._reported:
+            self._reported = tenth
+            fleet = self.procs
+            hook = fleet.hook_kills["worker"] + fleet.hook_kills["isolated"]
+            self.say(
+                f"  {self.name}: {tenth * 10}% of recipients reached, {fleet.external_kills} kills + {hook} by the "
+                f"fault hook, {time.monotonic() - self.approved_at:.0f}s"
+            )
+
+    def deadline(self) -> float:
+        return self.started + self.options.chaos_timeout
+
+    def kill_random_worker(self, role: str = "worker") -> Proc | None:
+        live = self.procs.live(role)
+        if not live:
+            return None
+        victim = self.rng.choice(live)
+        self.procs.kill(victim)
+        if role == "worker":
+            self.procs.spawn_worker(self.sink.url(), faults=self.worker_faults)
+        return victim
+
+    # -- the end ---------------------------------------------------------------------------------
+
+    def phase(self, name: str) -> None:
+        """Note how long the scenario has run when ``name`` ends (seconds since the harness started)."""
+        self.result.numbers.setdefault("phases", {})[name] = round(time.monotonic() - self.started, 1)
+
+    def finish(self) -> None:
+        """Signups answered, fleet stopped, drain workers finish the rest and must exit by themselves."""
+        self.phase("chaos")
+        fleet = self.procs
+        if self.signups is not None:
+            signups = self.signups
+            # API processes that die meanwhile are still replaced: clients keep retrying on them.
+            answered = self.wait_until(
+                signups.done, time.monotonic() + max(30.0, self.options.drain_timeout / 2), step=0.05
+            )
+            signups.wait(0 if answered else 1.0)
+        self.phase("signups answered")
+        self.babysit()
+        fleet.terminate(fleet.live("worker") + fleet.live("isolated"))
+        self.phase("fleet stopped")
+        drains = [fleet.spawn_worker(self.sink.url(), role="drain", drain=True) for _ in range(2)]
+        deadline = time.monotonic() + self.options.drain_timeout
+        stuck = []
+        for proc in drains:
+            try:
+                code = proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:
+                code = None
+            if code != 0:
+                stuck.append(f"pid {proc.pid}: {'still running' if code is None else f'exit {code}'}")
+        if stuck:
+            for proc in drains:
+                fleet.kill(proc)
+        self.phase("drained")
+        self.extra_checks.append(
+            Check(
+                "sendonce worker --drain exited by itself (nothing left)",
+                not stuck,
+                f"within {self.options.drain_timeout:.0f}s" if not stuck else "; ".join(stuck),
+            )
+        )
+        self.result.duration = time.monotonic() - self.approved_at
+
+    def verdict(self, *, duplicate_bound: int) -> Verdict:
+        assert self.setup is not None and self.expect is not None and self.api is not None
+        self.expect.duplicate_bound = duplicate_bound
+        if self.signups is not None:
+            self.expect.signups = self.signups.acknowledged()
+            refused = self.signups.refused()
+            unanswered = dict(self.signups.unanswered)
+            self.extra_checks.append(
+                Check(
+                    "every signup request was answered (201, or 200 for a repeat)",
+                    not refused and not unanswered and self.signups.requests == self.signups.planned,
+                    f"{self.signups.requests} of {self.signups.planned} requests answered for "
+                    f"{self.options.signups} addresses, "
+                    f"{self.signups.created()} created"
+                    + (f"; refused: {dict(list(refused.items())[:5])}" if refused else "")
+                    + (f"; unanswered: {dict(list(unanswered.items())[:3])}" if unanswered else ""),
+                )
+            )
+            twice = self.signups.created_twice()
+            self.extra_checks.append(
+                Check(
+                    "never two 201s for one signup address (every other answer is a repeat)",
+                    not twice,
+                    f"{self.signups.created()} created for {len(self.expect.signups)} addresses"
+                    + (f"; created twice: {twice[:5]}" if twice else "")
+                    + " (a 201 lost with a killed API process comes back as 200)",
+                )
+            )
+        cid = self.setup.campaign_id
+        try:
+            view_api = self.api.read(f"/v1/campaigns/{cid}", within=60)
+            ledger_api = self.api.read(f"/v1/campaigns/{cid}/duplicates?limit=1000", within=60)
+        except ApiUnavailable as exc:
+            self.result.error = f"the API did not answer at the end: {exc}"
+            raise
+        listed = {str(entry["job_id"]) for entry in ledger_api.get("entries", [])}
+        view = read_database(self.url, self.setup.account_id, cid, view_api, listed)
+        pids = {p.app_name: p.pid for p in self.procs.procs}
+        zombies = zombie_completions(view.zombies, pids)
+        verdict = judge(self.sink.arrivals(), self.expect, view, idempotent=self.sink.idempotent, zombies=zombies)
+        crashes = list(self.procs.crashes)
+        verdict.add("no process crashed", not crashes, "; ".join(crashes[:5]))
+        verdict.checks.extend(self.extra_checks)
+        self._fill(verdict)
+        return verdict
+
+    def _fill(self, verdict: Verdict) -> None:
+        r = self.result
+        fleet = self.procs
+        r.kills = fleet.external_kills
+        r.hook_kills = fleet.hook_kills["worker"] + fleet.hook_kills["isolated"]
+        r.api_kills = fleet.hook_kills["api"]
+        r.delivered = verdict.delivered
+        r.numbers["delivered_signups"] = verdict.delivered_signups
+        r.duplicates, r.recorded, r.unrecorded, r.lost = (
+            verdict.duplicates,
+            verdict.recorded,
+            verdict.unrecorded,
+            verdict.lost,
+        )
+        r.checks = verdict.checks
+        injected = dict(self.faults_injected)
+        if r.hook_kills:
+            injected["SIGKILL by fault hook"] = r.hook_kills
+        if r.api_kills:
+            injected["API killed after commit"] = r.api_kills
+        for name, n in self.sink.fault_counts().items():
+            if name not in ("replayed",):
+                injected[name] = n
+        r.faults = describe_faults(injected)
+        r.numbers.update(
+            {
+                "signups": len(self.expect.signups) if self.expect else 0,
+                "worker_faults": self.worker_faults or "",
+                "api_faults": self.api_faults or "",
+                "sink_counts": dict(self.sink.fault_counts()),
+            }
+        )
+
+    def refused_by(self, proc: Proc) -> tuple[int, dict[str, int] | None]:
+        """A worker's refused outcomes (its warnings) and its final stats line, if it stopped gracefully."""
+        text = proc.log_text()
+        return text.count("outcome refused"), worker_stats(text)
+
+
+def in_flight_bound(h: Harness, *, extra: int = 0) -> int:
+    """SMTP: copies the injected faults can explain; each is at most one message per connection."""
+    fleet = h.procs
+    c = h.worker_options.concurrency
+    kills = fleet.external_kills + fleet.hook_kills["worker"] + fleet.hook_kills["isolated"]
+    sink = h.sink.fault_counts()
+    return (
+        c * (kills + h.partitions)
+        + c * h.options.workers * h.result.restarts
+        + sink["dropped_after_data"]
+        + sink["slow"]
+        + extra
+    )

@@ -1,0 +1,151 @@
+"""The chaos suite's verdict on made-up arrivals: each kind of broken guarantee is flagged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sendonce.chaos.broken import FENCE, remove_fencing
+from sendonce.chaos.invariants import DatabaseView, Expectation, Verdict, judge, zombie_completions
+from sendonce.chaos.processes import worker_stats
+from sendonce.chaos.sinks import Arrival
+from sendonce.chaos.traffic import plan_addresses
+from sendonce.store.queries import QUERIES
+
+PEOPLE = {"a@x.test", "b@x.test", "c@x.test"}
+
+
+def arrivals(*pairs: tuple[str, str]) -> list[Arrival]:
+    return [Arrival(job, rcpt, float(i), "main") for i, (job, rcpt) in enumerate(pairs)]
+
+
+def view(**overrides: Any) -> DatabaseView:
+    base: dict[str, Any] = {
+        "status": "sent",
+        "counts": {"total": 3, "queued": 0, "sending": 0, "sent": 3, "suppressed": 0, "failed": 0},
+        "ledger": set(),
+        "api_ledger": set(),
+        "suppressed_rows": set(),
+        "zombies": [],
+        "outcomes_audited": 3,
+    }
+    base["counts"]["possible_duplicate"] = len(overrides.get("ledger", set()))
+    return DatabaseView(**{**base, **overrides})
+
+
+def verdict(got: list[Arrival], *, idempotent: bool = False, bound: int = 4, **kw: Any) -> Verdict:
+    expect = Expectation(7, set(PEOPLE), duplicate_bound=bound)
+    return judge(got, expect, kw.pop("db", view()), idempotent=idempotent, zombies=kw.pop("zombies", []))
+
+
+def broken(v: Verdict) -> list[str]:
+    return [c.name for c in v.checks if not c.ok]
+
+
+EVERYONE = [("campaign:7:1", "a@x.test"), ("campaign:7:2", "b@x.test"), ("campaign:7:3", "c@x.test")]
+
+
+def test_everyone_once_passes() -> None:
+    v = verdict(arrivals(*EVERYONE))
+    assert broken(v) == [] and (v.delivered, v.lost, v.duplicates) == (3, 0, 0)
+
+
+def test_a_missing_recipient_is_a_loss() -> None:
+    v = verdict(arrivals(*EVERYONE[:2]), db=view(counts={**view().counts, "sent": 2}))
+    assert v.lost == 1
+    assert broken(v) == ["every intended recipient received the campaign"]
+
+
+def test_a_smtp_duplicate_must_be_in_the_ledger_and_within_the_bound() -> None:
+    twice = arrivals(*EVERYONE, EVERYONE[0])
+    silent = verdict(twice)
+    assert (silent.recorded, silent.unrecorded) == (0, 1)
+    assert "SMTP: every duplicate is in the possible_duplicate ledger" in broken(silent)
+    ledgered = verdict(twice, db=view(ledger={"campaign:7:1"}, api_ledger={"campaign:7:1"}))
+    assert broken(ledgered) == [] and (ledgered.recorded, ledgered.unrecorded) == (1, 0)
+    too_many = verdict(twice, bound=0, db=view(ledger={"campaign:7:1"}, api_ledger={"campaign:7:1"}))
+    assert broken(too_many) == ["SMTP: duplicates within the in-flight bound"]
+
+
+def test_an_idempotent_transport_allows_no_duplicate_at_all() -> None:
+    v = verdict(arrivals(*EVERYONE, EVERYONE[2]), idempotent=True, db=view(ledger={"campaign:7:3"}))
+    assert broken(v) == ["idempotent transport: no duplicate"]
+
+
+def test_two_job_ids_for_one_person_is_a_silent_duplicate() -> None:
+    v = verdict(arrivals(*EVERYONE, ("campaign:7:9", "A@x.test".lower())), db=view(ledger={"campaign:7:1"}))
+    assert "SMTP: every duplicate is in the possible_duplicate ledger" in broken(v)
+
+
+def test_an_opt_out_before_the_claim_must_get_nothing() -> None:
+    expect = Expectation(7, set(PEOPLE), opted_out_before_claim={"c@x.test"})
+    counts = {**view().counts, "sent": 3, "suppressed": 0}
+    v = judge(arrivals(*EVERYONE), expect, view(counts=counts), idempotent=False, zombies=[])
+    assert "opt-outs that landed before the claim were honoured" in broken(v)
+
+
+def test_a_racing_opt_out_may_go_either_way_but_is_never_lost() -> None:
+    expect = Expectation(7, set(PEOPLE), opted_out_racing={"c@x.test"})
+    suppressed = view(counts={**view().counts, "sent": 2, "suppressed": 1}, suppressed_rows={"c@x.test"})
+    assert broken(judge(arrivals(*EVERYONE[:2]), expect, suppressed, idempotent=False, zombies=[])) == []
+    vanished = view(counts={**view().counts, "sent": 2})
+    v = judge(arrivals(*EVERYONE[:2]), expect, vanished, idempotent=False, zombies=[])
+    assert "every intended recipient received the campaign" in broken(v)
+
+
+def test_counts_that_disagree_with_the_inbox_are_flagged() -> None:
+    v = verdict(arrivals(*EVERYONE), db=view(counts={**view().counts, "sent": 2, "failed": 1}))
+    assert broken(v) == ["campaign counts equal the inbox counts"]
+
+
+def test_a_campaign_left_sending_is_stuck() -> None:
+    v = verdict(arrivals(*EVERYONE), db=view(status="sending"))
+    assert broken(v) == ["the campaign finished (not stuck in sending)"]
+
+
+def test_mail_nobody_asked_for_is_flagged() -> None:
+    v = verdict(arrivals(*EVERYONE, ("signup:1:1", "stranger@x.test")))
+    assert "no mail to anyone who was not meant to get it" in broken(v)
+
+
+def test_a_signup_gets_exactly_one_verification_mail() -> None:
+    expect = Expectation(7, set(PEOPLE), signups={"s@x.test"}, duplicate_bound=4)
+    v = judge(arrivals(*EVERYONE), expect, view(), idempotent=True, zombies=[])
+    assert broken(v) == ["every acknowledged signup received its verification mail"]
+    twice = arrivals(*EVERYONE, ("signup:1:1", "s@x.test"), ("signup:1:1", "s@x.test"))
+    assert broken(judge(twice, expect, view(), idempotent=True, zombies=[])) == ["idempotent transport: no duplicate"]
+
+
+def test_zombie_completions_are_outcomes_recorded_by_anyone_but_the_claimant() -> None:
+    outcomes = [
+        {"job_id": "campaign:7:1", "claimed_by": "host:100:ab12", "recorder": "chaos-1"},  # its own row
+        {"job_id": "campaign:7:2", "claimed_by": "host:200:cd34", "recorder": "chaos-1"},  # someone else's
+        {"job_id": "campaign:7:3", "claimed_by": "host:200:cd34", "recorder": "psql"},  # not ours to judge
+    ]
+    found = zombie_completions(outcomes, {"chaos-1": 100, "chaos-2": 200})
+    assert [z["job_id"] for z in found] == ["campaign:7:2"]
+    v = verdict(arrivals(*EVERYONE), zombies=found)
+    assert broken(v) == ["fencing: no worker completed a row it no longer owned"]
+
+
+def test_worker_stats_are_read_from_the_final_line() -> None:
+    text = "x\n... INFO sendonce [1] final: WorkerStats(claimed=9, sent=5, fenced_out=4, lost_leases=2)\n"
+    assert worker_stats(text) == {"claimed": 9, "sent": 5, "fenced_out": 4, "lost_leases": 2}
+    assert worker_stats("killed before it could say anything") is None
+
+
+def test_the_two_lists_overlap_and_some_addresses_differ_only_in_case() -> None:
+    list_a, list_b = plan_addresses(1000)
+    keys = {a.lower() for a in list_a + list_b}
+    assert len(keys) == 1000 and len(list_a) + len(list_b) == 1400
+    assert any(a != a.lower() for a in list_b)
+
+
+def test_the_no_fencing_build_removes_exactly_the_attempt_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(QUERIES):
+        monkeypatch.setitem(QUERIES, name, QUERIES[name])  # restored after the test
+    remove_fencing()
+    for name in ("record_sent", "record_retry", "record_failed"):
+        assert FENCE not in QUERIES[name]
+    assert FENCE in QUERIES["renew_leases"] and FENCE in QUERIES["release_claims"]
