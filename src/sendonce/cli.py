@@ -285,6 +285,15 @@ class _DryRun(Exception):
         self.count = count
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def chaos(ctx: typer.Context) -> None:
+    """The fault-injection suite: scenarios against real parts, a verdict from the inbox
+    (``sendonce chaos --help`` for its options; exits 1 if an invariant breaks)."""
+    from sendonce.chaos import run
+
+    raise typer.Exit(run(list(ctx.args)))
+
+
 @app.command()
 def demo(
     subscribers: Annotated[int, typer.Option(min=10, help="How many subscribers to create.")] = 10_000,

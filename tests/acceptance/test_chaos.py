@@ -125,12 +125,6 @@ def test_smtp_faults(smtp_faults: tuple[int, dict[str, Any]]) -> None:
     assert counts.get("dropped_after_data", 0) > 0 and counts.get("temp_fail", 0) > 0, counts
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: the transport URL's ?timeout= is parsed but never used (the worker passes its own "
-    "budget, min(30s, the lease's end), to every send), so an SMTP server slower than ?timeout= is "
-    "waited for; reported to the lead",
-)
 def test_smtp_client_timeout_is_honoured(smtp_faults: tuple[int, dict[str, Any]]) -> None:
     code, result = smtp_faults
     assert check(result, TIMEOUT_CHECK)["ok"], check(result, TIMEOUT_CHECK)["detail"]
@@ -193,7 +187,7 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
     assert run(["--recipients", "5", "--home", str(tmp_path)]) == 2
 
 
-# -- holes found by the suite, reproduced deterministically (xfail until sendonce is fixed) ---------
+# -- holes the suite found, reproduced deterministically (fixed; kept as regression tests) -----------
 
 
 def _worker_drain(url: str, transport_url: str, *, faults: str | None = None) -> int:
@@ -206,14 +200,14 @@ def _worker_drain(url: str, transport_url: str, *, faults: str | None = None) ->
     return subprocess.run(args, env=env, capture_output=True, timeout=60, check=False).returncode
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: a row whose attempt reached the recipient (worker killed between 'accepted' and 'recorded') "
-    "and that is re-claimed after an opt-out ends 'suppressed': the counts say suppressed, the inbox holds "
-    "the message, and nothing (not even the ledger) records that it was delivered; reported to the lead",
-)
 @pytest.mark.parametrize("transport", ["smtp", "resend"])
-async def test_a_delivered_attempt_is_not_counted_as_suppressed(database_url: str, transport: str) -> None:
+async def test_a_possibly_delivered_attempt_is_counted_when_the_row_ends_suppressed(
+    database_url: str, transport: str
+) -> None:
+    """Found by the suite: a worker killed after the transport took a message, then an opt-out, then the
+    re-claim honours the opt-out and the row ends 'suppressed' while the inbox holds the message. The
+    truth is unknown to sendonce (a worker killed before sending looks the same), so the row stays
+    suppressed and is counted in possibly_delivered rather than hidden."""
     setup = await campaign_setup(database_url, ["ann@example.test"])
     assert setup.campaign_id is not None
     with Inbox() as inbox, ResendServer() as provider:
@@ -232,5 +226,5 @@ async def test_a_delivered_attempt_is_not_counted_as_suppressed(database_url: st
     status, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)
     assert received == 1
     assert status == "sent"
-    # the chaos invariant: sendonce's counts equal what the inbox received
-    assert (counts.sent, counts.suppressed) == (1, 0), counts
+    # the counts account for what the inbox received: not sent, but possibly delivered
+    assert (counts.sent, counts.suppressed, counts.possibly_delivered) == (0, 1, 1), counts

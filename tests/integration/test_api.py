@@ -130,6 +130,7 @@ def test_a_full_campaign_lifecycle(client: httpx.Client, database_url: str) -> N
         "suppressed": 0,
         "failed": 0,
         "possible_duplicate": 0,
+        "possibly_delivered": 0,
     }
     assert client.post(f"/v1/campaigns/{cid}/pause", headers=auth).json()["status"] == "paused"
     assert client.post(f"/v1/campaigns/{cid}/resume", headers=auth).json()["status"] == "approved"

@@ -98,6 +98,11 @@ class Counts(BaseModel):
     suppressed: int
     failed: int
     possible_duplicate: int
+    possibly_delivered: int = Field(
+        default=0,
+        description="among suppressed and failed: rows an earlier attempt of which may have reached the recipient "
+        "(its worker died after the transport took it, then the address opted out or retries ran out)",
+    )
 
 
 class CampaignOut(BaseModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -224,7 +225,8 @@ def smtp_faults(ctx: Context, transport: str) -> Result:
             _at_progress(h, [(m, h.kill_random_worker) for m in _moments(h, o.kills)])
         result = _end(h)
         slow = sink.fault_counts()["slow"]
-        timeouts = sum(p.log_text().count("SMTPTimeoutError") for p in h.procs.procs if p.role != "api")
+        # aiosmtplib names them SMTPTimeoutError, SMTPReadTimeoutError, SMTPConnectTimeoutError
+        timeouts = sum(len(re.findall(r"SMTP\w*TimeoutError", p.log_text())) for p in h.procs.procs if p.role != "api")
         result.numbers["client_timeouts"] = timeouts
         result.checks.append(
             Check(

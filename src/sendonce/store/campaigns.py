@@ -45,6 +45,8 @@ class CampaignCounts:
     suppressed: int
     failed: int
     possible_duplicate: int
+    possibly_delivered: int = 0
+    """Among suppressed and failed: rows an earlier attempt of which may have reached the recipient."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +138,12 @@ async def campaign_counts(conn: Conn, account_id: int, campaign_id: int) -> Camp
     row = await (await conn.execute(query("campaign_counts"), params)).fetchone()
     assert row is not None
     by_status = {status.value: int(row[status.value]) for status in DeliveryStatus}
-    return CampaignCounts(total=sum(by_status.values()), possible_duplicate=int(row["possible_duplicate"]), **by_status)
+    return CampaignCounts(
+        total=sum(by_status.values()),
+        possible_duplicate=int(row["possible_duplicate"]),
+        possibly_delivered=int(row["possibly_delivered"]),
+        **by_status,
+    )
 
 
 async def list_possible_duplicates(

@@ -115,6 +115,7 @@ class ResendChannel(Channel):
         self.transport = transport
 
     async def send(self, message: OutgoingMessage, *, timeout: float, gate: Gate | None = None) -> Outcome:
+        timeout = min(timeout, self.transport.settings.timeout)  # the URL's ?timeout= caps every request
         if gate is not None:
             left = await gate()
             if left is None:

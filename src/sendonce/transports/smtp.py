@@ -104,6 +104,7 @@ class SmtpChannel(Channel):
         return smtp
 
     async def send(self, message: OutgoingMessage, *, timeout: float, gate: Gate | None = None) -> Outcome:
+        timeout = min(timeout, self.settings.timeout)  # the URL's ?timeout= caps every step
         phase = "connect"
         try:
             smtp = await self._connection(timeout)
@@ -131,7 +132,7 @@ class SmtpChannel(Channel):
                 if left is None:
                     self._dirty = True  # RSET before the next message
                     return Withheld("withheld before DATA")
-                timeout = max(min(timeout, left), 0.1)
+                timeout = max(min(timeout, left, self.settings.timeout), 0.1)
             phase = "data"
             response = await smtp.data(data, timeout=timeout)
         except aiosmtplib.SMTPResponseException as exc:

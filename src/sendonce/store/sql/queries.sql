@@ -178,6 +178,9 @@ SELECT count(*) FILTER (WHERE status = 'queued') AS queued,
        count(*) FILTER (WHERE status = 'sent') AS sent,
        count(*) FILTER (WHERE status = 'suppressed') AS suppressed,
        count(*) FILTER (WHERE status = 'failed') AS failed,
+       -- suppressed or failed, but an earlier attempt may have reached the recipient (its worker
+       -- died after the transport took the message, or the transport's answer was lost)
+       count(*) FILTER (WHERE status IN ('suppressed', 'failed') AND uncertain) AS possibly_delivered,
        (SELECT count(DISTINCT p.delivery_id) FROM sendonce.possible_duplicates p
          WHERE p.account_id = %(account_id)s AND p.campaign_id = %(campaign_id)s) AS possible_duplicate
   FROM sendonce.deliveries
