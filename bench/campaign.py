@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=_ints, help="worker processes to try (default 1,2,4; --quick 1,2)")
     parser.add_argument("--concurrency", type=_ints, help="connections per worker to try (default 5,10,20; --quick 10)")
     parser.add_argument("--batch-size", type=int, default=20, help="sendonce --batch-size (default 20)")
+    parser.add_argument("--worker-args", default="", help="extra sendonce worker options, e.g. '--fast-records'")
     parser.add_argument(
         "--database-url", help="PostgreSQL to use (default: a scratch server of its own under bench/.cache)"
     )
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         else start_scratch_server(CACHE_DIR, extra=dict(item.split("=", 1) for item in args.pg_setting))
     )
     ctx = Context(server, CACHE_DIR, sink_binary, args.batch_size, log_dir=log_dir)
+    ctx.worker_args = shlex.split(args.worker_args)
     settings = [(w, c) for w in args.workers for c in args.concurrency]
     results: list[RunResult] = []
     failures: list[str] = []
@@ -250,7 +252,8 @@ def render(
             f"sink: {'; '.join(sinks) or '(none yet)'}, on 127.0.0.1, one fresh sink per run; "
             "every figure counts its messages at the sink",
             f"campaign: {args.recipients:,} recipients, one text + HTML message each "
-            f"(sendonce --batch-size {args.batch_size}); procrastinate runs: {args.baseline_recipients:,} jobs",
+            f"(sendonce --batch-size {args.batch_size}{' ' + args.worker_args if args.worker_args else ''}); "
+            f"procrastinate runs: {args.baseline_recipients:,} jobs",
             *notes,
         ],
     )

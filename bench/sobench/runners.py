@@ -35,6 +35,8 @@ class Context:
     sink_binary: SinkBinary | None
     batch_size: int
     sendonce_url: str = ""
+    worker_args: list[str] = field(default_factory=list)
+    """Extra `sendonce worker` options (e.g. --fast-records)."""
     account_id: int = 0
     list_id: int = 0
     pq_url: str = ""
@@ -388,7 +390,7 @@ def run_sendonce(
     for log in logs:
         log.unlink(missing_ok=True)
     args = [sys.executable, "-m", "sendonce.cli", "worker", "--concurrency", str(concurrency)]
-    args += ["--batch-size", str(ctx.batch_size), "--no-upgrade"]
+    args += ["--batch-size", str(ctx.batch_size), "--no-upgrade", *ctx.worker_args]
     procs = [CHILDREN.spawn(args, env=env, log=log) for log in logs]
     spy: subprocess.Popen[Any] | None = None
     try:

@@ -130,6 +130,15 @@ def worker(
     tick: Annotated[float, typer.Option(min=0.01, help="Seconds between looks when nothing wakes the worker.")] = 60.0,
     lease: Annotated[float, typer.Option(min=1.0, help="Seconds a claim is valid (renewed while held).")] = 30.0,
     drain: Annotated[bool, typer.Option("--drain", help="Exit once no work is left.")] = False,
+    fast_records: Annotated[
+        bool,
+        typer.Option(
+            "--fast-records",
+            help="Record outcomes without waiting for the disk flush (claims stay durable): faster over SMTP; "
+            "a crash of PostgreSQL itself may then re-send the last moment's messages (each written to the "
+            "possible-duplicate ledger).",
+        ),
+    ] = False,
     upgrade_schema: Annotated[bool, typer.Option("--upgrade/--no-upgrade", help="Apply migrations first.")] = True,
 ) -> None:
     """Claim, send and record mail until stopped (SIGTERM: graceful)."""
@@ -148,6 +157,7 @@ def worker(
             tick=tick,
             lease=lease,
             drain=drain,
+            durable_records=not fast_records,
             feedback=feedback_policy(settings),
             alert_webhook_url=settings.alert_webhook_url,
             transport_rate=transport_rate,

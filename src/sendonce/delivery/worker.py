@@ -74,6 +74,11 @@ class WorkerConfig:
     send_timeout: float = 30.0
     db_timeout: float = 0.0
     """Longest wait for one database call before the connection is abandoned (0: max(lease, 5s))."""
+    durable_records: bool = True
+    """Wait for each grouped record to be flushed to disk before going on (synchronous_commit).
+    False ("fast records"): the recorder's commits return before the disk flush. Claims stay durable.
+    Only a crash of PostgreSQL itself (not of a worker) can then lose the last moment's records; their
+    rows come back as expired leases and are re-sent, through SMTP written to the ledger first."""
     transport_rate: Rate | None = None
     """At most this many messages through the transport, across every worker (a bucket in PostgreSQL)."""
     domain_rates: dict[str, Rate] = field(default_factory=dict)
@@ -153,14 +158,18 @@ class _Result:
 class _Lane:
     """One database connection for one task, reconnected after a failure."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, setup: str | None = None) -> None:
         self.url = url
+        self.setup = setup
         self.conn: Conn | None = None
 
     async def get(self) -> Conn:
         if self.conn is None or self.conn.closed or self.conn.broken:
             await self.reset()
-            self.conn = await connect(self.url)
+            conn = await connect(self.url)
+            if self.setup:
+                await conn.execute(self.setup.encode())
+            self.conn = conn
         return self.conn
 
     async def reset(self) -> None:
@@ -563,7 +572,7 @@ class Worker:
         return delay
 
     async def _recorder(self) -> None:
-        lane = _Lane(self.url)
+        lane = _Lane(self.url, setup=None if self.config.durable_records else "SET synchronous_commit = off")
         failures = 0
         try:
             while True:

@@ -50,7 +50,11 @@ async def _one(conn: Conn, name: str, params: dict[str, Any]) -> dict[str, Any] 
 
 async def _link(conn: Conn, event: FeedbackEvent) -> dict[str, Any] | None:
     if event.job_id:
-        row = await _one(conn, "find_delivery_by_job_id", {"job_id": event.job_id})
+        parts = event.job_id.split(":")
+        campaign_id = int(parts[1]) if len(parts) == 3 and parts[0] == "campaign" and parts[1].isdigit() else None
+        if campaign_id is not None and campaign_id >= 2**63:
+            return None
+        row = await _one(conn, "find_delivery_by_job_id", {"job_id": event.job_id, "campaign_id": campaign_id})
         if row is not None:
             return row
     if event.provider_message_id:

@@ -751,10 +751,17 @@ SELECT a.name AS account_name, l.list_id, l.name AS list_name, m.status
  ORDER BY l.list_id;
 
 -- find_delivery_by_job_id --
--- The delivery a provider event names by our job id (unique across accounts by construction).
+-- The delivery a provider event names by our job id (unique across accounts by construction): a
+-- campaign job id (campaign:<campaign_id>:<subscriber_id>) through its campaign's account and the
+-- tenant-first unique index, any other through the transactional index.
+SELECT d.account_id, d.delivery_id, d.campaign_id, d.email, d.email_key
+  FROM sendonce.campaigns c
+  JOIN sendonce.deliveries d ON d.account_id = c.account_id AND d.job_id = %(job_id)s
+ WHERE c.campaign_id = %(campaign_id)s::bigint
+UNION ALL
 SELECT account_id, delivery_id, campaign_id, email, email_key
   FROM sendonce.deliveries
- WHERE job_id = %(job_id)s
+ WHERE %(campaign_id)s::bigint IS NULL AND job_id = %(job_id)s AND campaign_id IS NULL
  LIMIT 2;
 
 -- find_delivery_by_message_id --
@@ -762,6 +769,7 @@ SELECT account_id, delivery_id, campaign_id, email, email_key
 SELECT account_id, delivery_id, campaign_id, email, email_key
   FROM sendonce.deliveries
  WHERE transport_message_id = %(message_id)s
+   AND transport_message_id !~ '^[0-9]{3}[ -]'  -- (the index's predicate: SMTP replies are not ids)
  LIMIT 2;
 
 -- insert_feedback_event --
