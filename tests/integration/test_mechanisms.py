@@ -182,6 +182,42 @@ async def test_the_unique_index_is_the_last_line_of_defence(database_url: str) -
     del setup
 
 
+async def test_each_build_chunk_covers_a_fixed_span_of_subscribers(database_url: str) -> None:
+    """A chunk examines the next chunk_size subscribers of the account, recipients or not, so its cost
+    is bounded by the chunk size whatever the planner estimates. Limiting the qualifying rows instead
+    (the earlier shape) would build this list in one chunk, but let a misestimating planner scan every
+    membership after the cursor for each chunk of a large list."""
+    async with await connect(database_url) as conn:
+        aid, _ = await make_account(conn)
+        everyone = await lists.create_list(conn, aid, "everyone")
+        few = await lists.create_list(conn, aid, "few")
+        ids = await add_subscribers(conn, aid, emails(250), [everyone])
+        chosen = [ids[5], ids[120], ids[249]]
+        await conn.execute(
+            "INSERT INTO sendonce.list_members (account_id, list_id, subscriber_id)"
+            " SELECT %s, %s, unnest(%s::bigint[])",
+            (aid, few, chosen),
+        )
+        cid = await campaigns.create_campaign(
+            conn,
+            account_id=aid,
+            name="n",
+            subject="s",
+            text_body="t",
+            html_body=None,
+            from_email="news@sender.test",
+            from_name=None,
+            list_ids=[few],
+        )
+        assert (await campaigns.transition(conn, aid, cid, "approve")).won
+        await outbox.start_due_campaigns(conn)
+        progress = []
+        while isinstance(p := await outbox.build_next_chunk(conn, 100), outbox.BuildProgress):
+            progress.append(p)
+    assert [(p.examined, p.inserted, p.done) for p in progress] == [(100, 1, False), (100, 1, False), (50, 1, True)]
+    assert {d.subscriber_id for d in await _claim_all(database_url)} == set(chosen)
+
+
 async def test_build_skips_unconfirmed_and_suppressed_subscribers(database_url: str) -> None:
     async with await connect(database_url) as conn:
         aid, _ = await make_account(conn)
@@ -318,10 +354,32 @@ async def test_renewal_only_extends_leases_still_owned(database_url: str) -> Non
         await conn.execute(
             "UPDATE sendonce.deliveries SET attempt = attempt + 1 WHERE delivery_id = %s", (b.delivery_id,)
         )  # b was re-claimed by someone else
-        owned = await outbox.renew_leases(
+        renewal = await outbox.renew_leases(
             conn, [outbox.Fenced(d.account_id, d.delivery_id, d.attempt) for d in (a, b)], 60
         )
-    assert owned == {a.key: True}
+    assert renewal.renewed == {a.key: True}
+    assert renewal.busy == set()
+
+
+async def test_a_row_locked_for_a_moment_is_not_a_lost_lease(database_url: str) -> None:
+    """Another transaction holding a held row's lock (a concurrent claim's FOR UPDATE can, for the rest
+    of its statement) makes renewal skip it; that row is still this worker's. Reported as lost, it would
+    be dropped unsent and come back only when its lease expired, as a possible duplicate."""
+    await campaign_setup(database_url, emails(2))
+    await _start_and_build(database_url)
+    a, b = await _claim_all(database_url)
+    locker = await connect(database_url, autocommit=False)
+    try:
+        await locker.execute("SELECT 1 FROM sendonce.deliveries WHERE delivery_id = %s FOR UPDATE", (b.delivery_id,))
+        async with await connect(database_url) as conn:
+            renewal = await outbox.renew_leases(
+                conn, [outbox.Fenced(d.account_id, d.delivery_id, d.attempt) for d in (a, b)], 60
+            )
+    finally:
+        await locker.rollback()
+        await locker.close()
+    assert renewal.renewed == {a.key: True}
+    assert renewal.busy == {b.key}
 
 
 async def test_reclaiming_an_uncertain_row_writes_the_ledger_for_smtp_only(database_url: str) -> None:

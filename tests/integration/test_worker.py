@@ -298,3 +298,21 @@ async def test_a_list_locked_for_an_instant_is_built_without_waiting_for_the_tic
         worker.stop()
         await task
     assert len(inbox.messages) == 30
+
+
+async def test_a_held_row_that_renewal_found_locked_is_kept_with_its_deadline(database_url: str) -> None:
+    """A row another transaction held locked during renewal (reported busy) stays the worker's, with
+    the deadline it had; only a row that is gone is revoked (never sent)."""
+    from sendonce.delivery.worker import Held
+
+    await campaign_setup(database_url, emails(3))
+    async with await connect(database_url) as conn:
+        await outbox.start_due_campaigns(conn)
+        while isinstance(await outbox.build_next_chunk(conn, 100), outbox.BuildProgress):
+            pass
+        a, b, c = await outbox.claim_batch(conn, limit=3, lease_seconds=30, worker="w", transport_idempotent=False)
+    worker = Worker(database_url, transport_from_url("smtp://127.0.0.1:9"), WorkerConfig(**FAST), composer=composer())
+    held = [Held(d, lease_end=100.0) for d in (a, b, c)]
+    worker._apply_renewal(held, outbox.Renewal(renewed={a.key: True}, busy={b.key}), lease_end=200.0)
+    assert [(h.lease_end, h.revoked) for h in held] == [(200.0, False), (100.0, False), (100.0, True)]
+    assert worker.stats.lost_leases == 1

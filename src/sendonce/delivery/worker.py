@@ -732,18 +732,21 @@ class Worker:
                 held = [h for h in self._held.values() if not h.revoked]
                 if held:
                     started = loop.time()
-                    owned = await self._with_db(
+                    renewal = await self._with_db(
                         lane, "renew", outbox.renew_leases, [h.fenced for h in held], config.lease
                     )
-                    if owned is not None:
-                        self._apply_renewal(held, owned, started + config.lease)
+                    if renewal is not None:
+                        self._apply_renewal(held, renewal, started + config.lease)
                 await self._with_db(lane, "maintenance", self._maintain)
         finally:
             await lane.reset()
 
-    def _apply_renewal(self, held: list[Held], owned: dict[Key, bool], lease_end: float) -> None:
+    def _apply_renewal(self, held: list[Held], renewal: outbox.Renewal, lease_end: float) -> None:
+        owned = renewal.renewed
         for h in held:
             key = h.delivery.key
+            if key in renewal.busy:
+                continue  # still ours, locked for a moment by someone else: keep the deadline it has
             if key not in owned:
                 if h.done:
                     continue  # recorded (or being recorded) meanwhile: not ours to renew any more, rightly

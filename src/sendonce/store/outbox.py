@@ -116,16 +116,33 @@ async def claim_batch(
     return [ClaimedDelivery(**row) for row in await cursor.fetchall()]
 
 
-async def renew_leases(conn: Conn, held: Sequence[Fenced], lease_seconds: float) -> dict[Key, bool]:
-    """Extend the leases still held; returns {key: campaign still sending} for the rows still owned."""
+@dataclass(frozen=True, slots=True)
+class Renewal:
+    renewed: dict[Key, bool]
+    """The rows whose lease was extended: {key: campaign still sending}."""
+    busy: set[Key]
+    """Rows still held (same attempt, still 'sending') whose lease was not extended this time because
+    another transaction held their lock for a moment: not lost, but their deadline stays as it was."""
+
+
+async def renew_leases(conn: Conn, held: Sequence[Fenced], lease_seconds: float) -> Renewal:
+    """Extend the leases still held. A row in neither part of the answer is no longer this worker's."""
     if not held:
-        return {}
+        return Renewal({}, set())
     held = _in_key_order(held)
     cursor = await conn.execute(
         query("renew_leases"),
         {"lease_seconds": lease_seconds, **_columns(held, "account_id", "delivery_id", "attempt")},
     )
-    return {(row["account_id"], row["delivery_id"]): bool(row["campaign_active"]) for row in await cursor.fetchall()}
+    renewed: dict[Key, bool] = {}
+    busy: set[Key] = set()
+    for row in await cursor.fetchall():
+        key = (row["account_id"], row["delivery_id"])
+        if row["renewed"]:
+            renewed[key] = bool(row["campaign_active"])
+        else:
+            busy.add(key)
+    return Renewal(renewed, busy)
 
 
 async def record_sent(conn: Conn, items: Sequence[SentRecord]) -> set[Key]:
