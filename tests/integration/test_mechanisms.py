@@ -358,28 +358,33 @@ async def test_renewal_only_extends_leases_still_owned(database_url: str) -> Non
             conn, [outbox.Fenced(d.account_id, d.delivery_id, d.attempt) for d in (a, b)], 60
         )
     assert renewal.renewed == {a.key: True}
-    assert renewal.busy == set()
+    assert renewal.busy == {}
 
 
 async def test_a_row_locked_for_a_moment_is_not_a_lost_lease(database_url: str) -> None:
     """Another transaction holding a held row's lock (a concurrent claim's FOR UPDATE can, for the rest
     of its statement) makes renewal skip it; that row is still this worker's. Reported as lost, it would
     be dropped unsent and come back only when its lease expired, as a possible duplicate."""
-    await campaign_setup(database_url, emails(2))
+    setup = await campaign_setup(database_url, emails(2))
     await _start_and_build(database_url)
     a, b = await _claim_all(database_url)
+    held = [outbox.Fenced(d.account_id, d.delivery_id, d.attempt) for d in (a, b)]
     locker = await connect(database_url, autocommit=False)
     try:
         await locker.execute("SELECT 1 FROM sendonce.deliveries WHERE delivery_id = %s FOR UPDATE", (b.delivery_id,))
         async with await connect(database_url) as conn:
-            renewal = await outbox.renew_leases(
-                conn, [outbox.Fenced(d.account_id, d.delivery_id, d.attempt) for d in (a, b)], 60
-            )
+            renewal = await outbox.renew_leases(conn, held, 60)
+            assert setup.campaign_id is not None
+            assert (await campaigns.transition(conn, setup.account_id, setup.campaign_id, "pause")).won
+            after_pause = await outbox.renew_leases(conn, held, 60)
     finally:
         await locker.rollback()
         await locker.close()
     assert renewal.renewed == {a.key: True}
-    assert renewal.busy == {b.key}
+    assert renewal.busy == {b.key: True}
+    # a paused campaign's rows say so in both parts, so the worker gives back what it has not started
+    assert after_pause.renewed == {a.key: False}
+    assert after_pause.busy == {b.key: False}
 
 
 async def test_reclaiming_an_uncertain_row_writes_the_ledger_for_smtp_only(database_url: str) -> None:

@@ -313,6 +313,13 @@ async def test_a_held_row_that_renewal_found_locked_is_kept_with_its_deadline(da
         a, b, c = await outbox.claim_batch(conn, limit=3, lease_seconds=30, worker="w", transport_idempotent=False)
     worker = Worker(database_url, transport_from_url("smtp://127.0.0.1:9"), WorkerConfig(**FAST), composer=composer())
     held = [Held(d, lease_end=100.0) for d in (a, b, c)]
-    worker._apply_renewal(held, outbox.Renewal(renewed={a.key: True}, busy={b.key}), lease_end=200.0)
-    assert [(h.lease_end, h.revoked) for h in held] == [(200.0, False), (100.0, False), (100.0, True)]
+    worker._apply_renewal(held, outbox.Renewal(renewed={a.key: True}, busy={b.key: True}), lease_end=200.0)
+    assert [(h.lease_end, h.revoked, h.release) for h in held] == [
+        (200.0, False, False),
+        (100.0, False, False),
+        (100.0, True, False),
+    ]
     assert worker.stats.lost_leases == 1
+    # a busy row of a campaign paused meanwhile is given back like any other unstarted row
+    worker._apply_renewal(held[1:2], outbox.Renewal(renewed={}, busy={b.key: False}), lease_end=300.0)
+    assert (held[1].lease_end, held[1].revoked, held[1].release) == (100.0, False, True)

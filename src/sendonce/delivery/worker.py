@@ -746,7 +746,10 @@ class Worker:
         for h in held:
             key = h.delivery.key
             if key in renewal.busy:
-                continue  # still ours, locked for a moment by someone else: keep the deadline it has
+                # still ours, locked for a moment by someone else: it keeps the deadline it has
+                if not renewal.busy[key] and not h.started:
+                    h.release = True
+                continue
             if key not in owned:
                 if h.done:
                     continue  # recorded (or being recorded) meanwhile: not ours to renew any more, rightly

@@ -120,28 +120,25 @@ async def claim_batch(
 class Renewal:
     renewed: dict[Key, bool]
     """The rows whose lease was extended: {key: campaign still sending}."""
-    busy: set[Key]
+    busy: dict[Key, bool]
     """Rows still held (same attempt, still 'sending') whose lease was not extended this time because
-    another transaction held their lock for a moment: not lost, but their deadline stays as it was."""
+    another transaction held their lock for a moment: not lost, but their deadline stays as it was.
+    {key: campaign still sending}."""
 
 
 async def renew_leases(conn: Conn, held: Sequence[Fenced], lease_seconds: float) -> Renewal:
     """Extend the leases still held. A row in neither part of the answer is no longer this worker's."""
     if not held:
-        return Renewal({}, set())
+        return Renewal({}, {})
     held = _in_key_order(held)
     cursor = await conn.execute(
         query("renew_leases"),
         {"lease_seconds": lease_seconds, **_columns(held, "account_id", "delivery_id", "attempt")},
     )
     renewed: dict[Key, bool] = {}
-    busy: set[Key] = set()
+    busy: dict[Key, bool] = {}
     for row in await cursor.fetchall():
-        key = (row["account_id"], row["delivery_id"])
-        if row["renewed"]:
-            renewed[key] = bool(row["campaign_active"])
-        else:
-            busy.add(key)
+        (renewed if row["renewed"] else busy)[(row["account_id"], row["delivery_id"])] = bool(row["campaign_active"])
     return Renewal(renewed, busy)
 
 

@@ -432,7 +432,11 @@ SELECT r.account_id, r.delivery_id, true AS renewed,
                                             AND c.status = 'sending')) AS campaign_active
   FROM renewed r
 UNION ALL
-SELECT d.account_id, d.delivery_id, false AS renewed, true AS campaign_active
+SELECT d.account_id, d.delivery_id, false AS renewed,
+       (d.campaign_id IS NULL OR EXISTS (SELECT 1 FROM sendonce.campaigns c
+                                          WHERE c.account_id = d.account_id
+                                            AND c.campaign_id = d.campaign_id
+                                            AND c.status = 'sending')) AS campaign_active
   FROM sendonce.deliveries d
   JOIN held u
     ON d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
