@@ -67,7 +67,7 @@ class WorkerConfig:
     """Transient failures of one message before it is failed for good."""
     backoff_base: float = 2.0
     backoff_cap: float = 900.0
-    build_chunk: int = 5000
+    build_chunk: int = 1000
     """Subscribers examined per recipient-list build transaction."""
     record_interval: float = 0.002
     """How long outcomes gather before one grouped, fenced UPDATE records them (group commit)."""
