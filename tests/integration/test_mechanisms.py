@@ -39,6 +39,22 @@ async def _start_and_build(url: str, chunk: int = 5000) -> None:
             pass
 
 
+async def _approved_campaign(conn: Conn, account_id: int, list_ids: list[int]) -> int:
+    cid = await campaigns.create_campaign(
+        conn,
+        account_id=account_id,
+        name="n",
+        subject="s",
+        text_body="t",
+        html_body=None,
+        from_email="news@sender.test",
+        from_name=None,
+        list_ids=list_ids,
+    )
+    assert (await campaigns.transition(conn, account_id, cid, "approve")).won
+    return cid
+
+
 async def _holding_campaign_row(url: str, account_id: int, campaign_id: int) -> tuple[Conn, asyncio.Event]:
     """Lock the campaign row in an open transaction, so that concurrent UPDATEs queue up behind it."""
     conn = await connect(url, autocommit=False)
@@ -140,18 +156,7 @@ async def test_an_address_in_two_lists_or_typed_twice_gets_one_delivery(database
         b = await lists.create_list(conn, aid, "b")
         await add_subscribers(conn, aid, ["Ann@Example.test", "bob@example.test"], [a])
         await add_subscribers(conn, aid, ["ann@EXAMPLE.TEST", "carl@example.test"], [b])
-        cid = await campaigns.create_campaign(
-            conn,
-            account_id=aid,
-            name="n",
-            subject="s",
-            text_body="t",
-            html_body=None,
-            from_email="news@sender.test",
-            from_name=None,
-            list_ids=[a, b],
-        )
-        assert (await campaigns.transition(conn, aid, cid, "approve")).won
+        await _approved_campaign(conn, aid, [a, b])
     await _start_and_build(database_url)
     claimed = await _claim_all(database_url)
     assert sorted(parse_address(d.email).key for d in claimed) == [
@@ -198,18 +203,7 @@ async def test_each_build_chunk_covers_a_fixed_span_of_subscribers(database_url:
             " SELECT %s, %s, unnest(%s::bigint[])",
             (aid, few, chosen),
         )
-        cid = await campaigns.create_campaign(
-            conn,
-            account_id=aid,
-            name="n",
-            subject="s",
-            text_body="t",
-            html_body=None,
-            from_email="news@sender.test",
-            from_name=None,
-            list_ids=[few],
-        )
-        assert (await campaigns.transition(conn, aid, cid, "approve")).won
+        await _approved_campaign(conn, aid, [few])
         await outbox.start_due_campaigns(conn)
         progress = []
         while isinstance(p := await outbox.build_next_chunk(conn, 100), outbox.BuildProgress):
@@ -227,18 +221,7 @@ async def test_build_skips_unconfirmed_and_suppressed_subscribers(database_url: 
         await add_subscribers(conn, aid, ["gone@example.test"], [lst], SubscriberStatus.UNSUBSCRIBED)
         await add_subscribers(conn, aid, ["blocked@example.test"], [lst])
         await suppressions.add_suppression(conn, aid, parse_address("BLOCKED@example.test"), SuppressionReason.MANUAL)
-        cid = await campaigns.create_campaign(
-            conn,
-            account_id=aid,
-            name="n",
-            subject="s",
-            text_body="t",
-            html_body=None,
-            from_email="news@sender.test",
-            from_name=None,
-            list_ids=[lst],
-        )
-        assert (await campaigns.transition(conn, aid, cid, "approve")).won
+        await _approved_campaign(conn, aid, [lst])
     await _start_and_build(database_url)
     assert [d.email for d in await _claim_all(database_url)] == ["ok@example.test"]
 
