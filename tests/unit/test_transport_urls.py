@@ -29,6 +29,10 @@ def test_smtp_urls() -> None:
     assert isinstance(tls, SmtpTransport)
     assert (tls.settings.port, tls.settings.use_tls) == (465, True)
     assert not plain.capabilities.idempotent
+    assert plain.settings.pipelining and plain.settings.validate_certs
+    serial = transport_from_url("smtp://127.0.0.1:1025?pipelining=false&verify=no")
+    assert isinstance(serial, SmtpTransport)
+    assert (serial.settings.pipelining, serial.settings.validate_certs) == (False, False)
 
 
 def test_resend_urls() -> None:
@@ -50,6 +54,8 @@ def test_resend_urls() -> None:
         ("resend://api.resend.com", "API key"),
         ("smtp://host:notaport", "invalid transport URL"),
         ("smtp://host?timeout=soon", "timeout"),
+        ("smtp://host?pipelining=sometimes", "pipelining must be true or false"),
+        ("smtp://host?verify=maybe", "verify must be true or false"),
     ],
 )
 def test_bad_urls_say_what_is_wrong(url: str, message: str) -> None:

@@ -8,7 +8,8 @@
 ``resend+http://API_KEY@host:port``    the same over plain http (a local server in tests)
 =====================================  ==============================================
 
-Query parameters: ``timeout`` (seconds), and for SMTP ``verify=false`` to accept any certificate.
+Query parameters: ``timeout`` (seconds); for SMTP ``verify=false`` to accept any certificate, and
+``pipelining=false`` to send one command per round trip even where the server offers PIPELINING.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ def _redact(url: str) -> str:
         port = f":{parts.port}" if parts.port else ""
         return parts._replace(netloc=f"***@{host}{port}").geturl()
     return url
+
+
+def _flag(url: str, params: dict[str, str], name: str) -> bool:
+    value = params.get(name, "true").lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise TransportConfigError(f"{name} must be true or false in {_redact(url)!r}, not {value!r}")
 
 
 def transport_from_url(url: str, *, concurrency: int = 10) -> Transport:
@@ -71,6 +81,7 @@ def transport_from_url(url: str, *, concurrency: int = 10) -> Transport:
         username=username,
         password=password,
         timeout=timeout,
-        validate_certs=params.get("verify", "true").lower() not in ("0", "false", "no"),
+        validate_certs=_flag(url, params, "verify"),
+        pipelining=_flag(url, params, "pipelining"),
     )
     return SmtpTransport(settings)

@@ -1,17 +1,30 @@
-"""SMTP through persistent aiosmtplib connections, one per channel.
+"""SMTP through persistent aiosmtplib connections, one per channel, pipelined where the server allows.
 
 Plain SMTP has no idempotency key: if the connection drops after the message data went out and
 before the server's final answer, nobody knows whether it was accepted. Such a failure is returned
 as an *uncertain* retry, and the re-send is written to the possible-duplicate ledger.
+
+**Pipelining (RFC 2920).** aiosmtplib opens each connection (TCP or TLS, EHLO, STARTTLS, AUTH) and
+sends one command per round trip. When the server offers PIPELINING, the channel then takes the
+connection over and sends each message in two exchanges instead of four: ``MAIL FROM``, ``RCPT TO``
+and ``DATA`` in one write, read back in order; then the content and its final dot. The content is
+still the only thing that delivers anything, and it goes out only after every envelope reply came
+back positive and the caller's gate agreed. aiosmtplib cannot read several replies to one write (its
+protocol keeps one reply and drops data that arrives while that reply waits to be read), so the
+replies of a taken-over connection are read by :class:`_Replies`. ``?pipelining=false`` in the
+transport URL keeps aiosmtplib's one-command-at-a-time exchange for every message.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass
 
 import aiosmtplib
+from aiosmtplib import SMTPResponse
 
 from sendonce.domain.message import OutgoingMessage
 from sendonce.transports.base import (
@@ -30,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 # A connection idle longer than this is probed with RSET before it is trusted with a message.
 _IDLE_PROBE_SECONDS = 30.0
+_MAX_REPLY_BYTES = 64 * 1024
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +58,8 @@ class SmtpSettings:
     timeout: float = 30.0
     validate_certs: bool = True
     local_hostname: str | None = None
+    pipelining: bool = True
+    """Use RFC 2920 PIPELINING when the server offers it."""
 
 
 class SmtpTransport(Transport):
@@ -61,27 +78,146 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:500]
 
 
+def wire_content(data: bytes) -> bytes:
+    """A message as it follows DATA: CRLF line ends, leading dots doubled (RFC 5321 4.5.2), final dot."""
+    if data.count(b"\n") != data.count(b"\r\n") or data.count(b"\r") != data.count(b"\r\n"):
+        data = _LINE_END.sub(b"\r\n", data)
+    if data.startswith(b"."):
+        data = b"." + data
+    data = data.replace(b"\r\n.", b"\r\n..")
+    if not data.endswith(b"\r\n"):
+        data += b"\r\n"
+    return data + b".\r\n"
+
+
+class _Replies(asyncio.Protocol):
+    """The reading side of a connection taken over from aiosmtplib: replies, in order, however the
+    server's bytes arrive (several replies in one segment, one reply over several)."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self._buffer = bytearray()
+        self._waiter: asyncio.Future[None] | None = None
+        self._lost: Exception | None = None
+
+    @property
+    def is_connected(self) -> bool:
+        return self._lost is None and not self.transport.is_closing()
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._lost = aiosmtplib.SMTPServerDisconnected("the server closed the connection")
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._lost is None:
+            lost = aiosmtplib.SMTPServerDisconnected("connection lost")
+            lost.__cause__ = exc
+            self._lost = lost
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def write(self, data: bytes) -> None:
+        if not self.is_connected:
+            raise self._lost or aiosmtplib.SMTPServerDisconnected("connection lost")
+        self.transport.write(data)
+
+    def _parse(self) -> SMTPResponse | None:
+        """One complete reply from the buffer (RFC 5321 4.2: ``250-...`` lines, then ``250 ...``)."""
+        buffer = self._buffer
+        start = 0
+        lines: list[bytes] = []
+        while True:
+            end = buffer.find(b"\n", start)
+            if end == -1:
+                if len(buffer) > _MAX_REPLY_BYTES:
+                    raise aiosmtplib.SMTPResponseException(-1, "reply too long")
+                return None
+            line = bytes(buffer[start:end]).rstrip(b"\r")
+            start = end + 1
+            if len(line) < 3 or not line[:3].isdigit() or line[3:4] not in (b"", b" ", b"-"):
+                raise aiosmtplib.SMTPResponseException(-1, f"malformed reply line {line[:80]!r}")
+            lines.append(line[4:])
+            if line[3:4] != b"-":
+                del buffer[:start]
+                return SMTPResponse(int(line[:3]), b"\n".join(lines).decode("utf-8", "surrogateescape"))
+
+    async def replies(self, count: int, timeout: float) -> list[SMTPResponse]:
+        """The next ``count`` replies, all within ``timeout`` seconds (aiosmtplib's timeout error if not)."""
+        try:
+            async with asyncio.timeout(timeout):
+                return [await self._reply() for _ in range(count)]
+        except TimeoutError:
+            raise aiosmtplib.SMTPReadTimeoutError(f"no reply from the server within {timeout:g}s") from None
+
+    async def _reply(self) -> SMTPResponse:
+        while True:
+            response = self._parse()
+            if response is not None:
+                return response
+            if self._lost is not None:
+                raise self._lost
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def close(self) -> None:
+        self.transport.close()
+
+
 class SmtpChannel(Channel):
     def __init__(self, settings: SmtpSettings) -> None:
         self.settings = settings
         self.rate_bucket = f"transport:smtp:{settings.host}:{settings.port}"
         self._smtp: aiosmtplib.SMTP | None = None
+        self._pipe: _Replies | None = None
+        """Set when the connection was taken over for pipelining."""
+        self._smtputf8 = False
+        self._8bitmime = False
         self._dirty = False
         self._last_used = 0.0
 
-    async def _connection(self, timeout: float) -> aiosmtplib.SMTP:
-        if self._smtp is not None and self._smtp.is_connected:
+    @property
+    def pipelined(self) -> bool:
+        return self._pipe is not None
+
+    def _connected(self) -> bool:
+        if self._pipe is not None:
+            return self._pipe.is_connected
+        return self._smtp is not None and self._smtp.is_connected
+
+    async def _rset(self, timeout: float) -> None:
+        if self._pipe is not None:
+            self._pipe.write(b"RSET\r\n")
+            (response,) = await self._pipe.replies(1, timeout)
+            if response.code != 250:
+                raise aiosmtplib.SMTPResponseException(response.code, response.message)
+        else:
+            assert self._smtp is not None
+            await self._smtp.rset(timeout=timeout)
+
+    async def _connection(self, timeout: float) -> None:
+        if self._connected():
             if not self._dirty and time.monotonic() - self._last_used <= _IDLE_PROBE_SECONDS:
-                return self._smtp
+                return
             # After a failed transaction, and before reusing an idle connection: reset the envelope,
             # and find out now (not mid-message) whether the server is still there.
             try:
-                await self._smtp.rset(timeout=timeout)
+                await self._rset(timeout)
             except (TimeoutError, aiosmtplib.SMTPException, OSError):
                 logger.debug("RSET failed; reconnecting")
             else:
                 self._dirty = False
-                return self._smtp
+                return
         await self.close()
         s = self.settings
         smtp = aiosmtplib.SMTP(
@@ -97,21 +233,27 @@ class SmtpChannel(Channel):
         )
         await smtp.connect(timeout=timeout)
         if smtp.is_ehlo_or_helo_needed:
-            # Extensions (SMTPUTF8, 8BITMIME) are known only after EHLO.
+            # Extensions (SMTPUTF8, 8BITMIME, PIPELINING) are known only after EHLO.
             await smtp.ehlo(timeout=timeout)
         self._smtp = smtp
+        self._smtputf8 = smtp.supports_extension("smtputf8")
+        self._8bitmime = smtp.supports_extension("8bitmime")
+        if s.pipelining and smtp.supports_extension("pipelining") and isinstance(smtp.transport, asyncio.Transport):
+            # Handshake done, no reply pending: from here on this channel reads the replies itself.
+            pipe = _Replies(smtp.transport)
+            smtp.transport.set_protocol(pipe)
+            self._pipe = pipe
         self._dirty = False
-        return smtp
 
     async def send(self, message: OutgoingMessage, *, timeout: float, gate: Gate | None = None) -> Outcome:
         timeout = min(timeout, self.settings.timeout)  # the URL's ?timeout= caps every step
         phase = "connect"
         try:
-            smtp = await self._connection(timeout)
+            await self._connection(timeout)
             options: list[str] = []
             encoding = "ascii"
             if message.smtputf8:
-                if not smtp.supports_extension("smtputf8"):
+                if not self._smtputf8:
                     return Permanent(
                         f"{message.recipient!r} has a non-ASCII local part and the server does not offer "
                         "SMTPUTF8 (RFC 6531)"
@@ -119,8 +261,12 @@ class SmtpChannel(Channel):
                 options.append("SMTPUTF8")
                 encoding = "utf-8"
             data = message.as_bytes()
-            if not message.smtputf8 and smtp.supports_extension("8bitmime") and not data.isascii():
+            if not message.smtputf8 and self._8bitmime and not data.isascii():
                 options.append("BODY=8BITMIME")
+            if self._pipe is not None:
+                return await self._send_pipelined(self._pipe, message, data, options, encoding, timeout, gate)
+            smtp = self._smtp
+            assert smtp is not None
             phase = "mail"
             await smtp.mail(message.envelope_from, options=options, encoding=encoding, timeout=timeout)
             phase = "rcpt"
@@ -136,13 +282,7 @@ class SmtpChannel(Channel):
             phase = "data"
             response = await smtp.data(data, timeout=timeout)
         except aiosmtplib.SMTPResponseException as exc:
-            self._dirty = True
-            if exc.code == 421:  # the server is closing the connection
-                await self.close()
-            if 500 <= exc.code < 600:
-                # A 5xx to RCPT or DATA rejects this recipient for good: a hard bounce.
-                return Permanent(f"{phase}: {exc.code} {exc.message}"[:500], hard_bounce=phase in ("rcpt", "data"))
-            return Retry(f"{phase}: {exc.code} {exc.message}"[:500])
+            return await self._refused(phase, exc.code, exc.message)
         except (TimeoutError, aiosmtplib.SMTPException, OSError) as exc:
             await self.close()
             # Past the start of DATA the server may have accepted the message before we lost it.
@@ -158,12 +298,83 @@ class SmtpChannel(Channel):
         self._last_used = time.monotonic()
         return Accepted(f"{response.code} {response.message}"[:300])
 
+    async def _refused(self, phase: str, code: int, text: str) -> Outcome:
+        """The server answered, and said no: nothing was delivered by this exchange."""
+        self._dirty = True
+        if code == 421:  # the server is closing the connection
+            await self.close()
+        if 500 <= code < 600:
+            # A 5xx to RCPT or DATA rejects this recipient for good: a hard bounce.
+            return Permanent(f"{phase}: {code} {text}"[:500], hard_bounce=phase in ("rcpt", "data"))
+        return Retry(f"{phase}: {code} {text}"[:500])
+
+    async def _send_pipelined(
+        self,
+        pipe: _Replies,
+        message: OutgoingMessage,
+        data: bytes,
+        options: list[str],
+        encoding: str,
+        timeout: float,
+        gate: Gate | None,
+    ) -> Outcome:
+        phase = "mail"
+        content_sent = False
+        try:
+            mail_from, recipient = message.envelope_from, message.recipient
+            if any(c in address for address in (mail_from, recipient) for c in "\r\n<>"):
+                return Permanent(f"an address cannot go in an SMTP command: {mail_from!r} / {recipient!r}")
+            extra = "".join(" " + option for option in options)
+            envelope = f"MAIL FROM:<{mail_from}>{extra}\r\nRCPT TO:<{recipient}>\r\nDATA\r\n".encode(encoding)
+            content = wire_content(data)
+            pipe.write(envelope)
+            mail, rcpt, start = await pipe.replies(3, timeout)
+            if start.code == 354 and (mail.code != 250 or rcpt.code not in (250, 251)):
+                # A server must refuse DATA when the envelope failed; one that did not now waits for
+                # content that must not be sent. Only closing the connection ends that safely.
+                await self.close()
+                return Retry(f"mail/rcpt: {mail.code} {mail.message} / {rcpt.code} {rcpt.message}"[:500])
+            for phase, response, good in (("mail", mail, (250,)), ("rcpt", rcpt, (250, 251)), ("data", start, (354,))):
+                if response.code not in good:
+                    return await self._refused(phase, response.code, response.message)
+            if gate is not None:
+                # The server waits for the content; nothing is delivered before its final dot. The
+                # caller may hold the message here (its previous one is being recorded) or withdraw it.
+                left = await gate()
+                if left is None:
+                    # A DATA in progress cannot be reset: close, and the server drops the transaction.
+                    await self.close()
+                    return Withheld("withheld before the content")
+                timeout = max(min(timeout, left, self.settings.timeout), 0.1)
+            phase = "data"
+            content_sent = True
+            pipe.write(content)
+            (response,) = await pipe.replies(1, timeout)
+            if response.code != 250:
+                return await self._refused("data", response.code, response.message)
+        except aiosmtplib.SMTPResponseException as exc:  # a reply we cannot read
+            await self.close()
+            return Retry(f"{phase}: {exc.code} {exc.message}"[:500], uncertain=content_sent)
+        except (TimeoutError, aiosmtplib.SMTPException, OSError) as exc:
+            await self.close()
+            # Once the content went out the server may have accepted it before we lost the reply.
+            return Retry(f"{phase}: {_describe(exc)}", uncertain=content_sent)
+        except UnicodeEncodeError as exc:
+            return Permanent(f"{phase}: an address cannot be written in ASCII: {exc}"[:500])
+        except Exception as exc:  # anything else must not take the worker down with it
+            logger.exception("unexpected error sending %s", message.job_id)
+            await self.close()
+            return Retry(f"{phase}: unexpected {_describe(exc)}", uncertain=content_sent)
+        self._last_used = time.monotonic()
+        return Accepted(f"{response.code} {response.message}"[:300])
+
     async def close(self) -> None:
         smtp, self._smtp = self._smtp, None
-        if smtp is None:
-            return
+        pipe, self._pipe = self._pipe, None
         try:
-            if smtp.is_connected:
+            if pipe is not None:
+                pipe.close()
+            elif smtp is not None and smtp.is_connected:
                 smtp.close()
         except Exception:  # closing a broken connection may fail; nothing is lost
             logger.debug("closing SMTP connection failed", exc_info=True)

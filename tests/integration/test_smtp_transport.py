@@ -1,0 +1,158 @@
+"""The SMTP channel against a real aiosmtpd server, with and without RFC 2920 pipelining.
+
+What matters for exactly-once: the content goes out only after a positive envelope and the caller's
+gate; only a failure after the content went out is *uncertain*; and a channel stays usable (its
+replies in step with its commands) after every kind of refusal.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sendonce.domain.message import OutgoingMessage
+from sendonce.testing.inbox import Inbox, InboxFaults
+from sendonce.transports.base import Accepted, Permanent, Retry, Withheld
+from sendonce.transports.smtp import SmtpChannel, SmtpSettings, wire_content
+
+MODES = pytest.mark.parametrize("pipelining", [True, False], ids=["pipelined", "one-command-per-round-trip"])
+
+
+def _message(n: int, text: str = "Hello\n.a line that starts with a dot\n..and two\nbye\n") -> OutgoingMessage:
+    return OutgoingMessage(
+        job_id=f"job-{n}",
+        envelope_from="news@example.com",
+        recipient=f"reader{n}@example.org",
+        smtputf8=False,
+        from_header="News <news@example.com>",
+        to_header=f"reader{n}@example.org",
+        subject=f"Issue {n}",
+        text=text,
+        html="<p>.hello</p>\n.<p>dots</p>",
+        message_id=f"<{n}@example.com>",
+        date="Mon, 30 Nov 2026 06:00:00 +0000",
+        headers=[("Sendonce-Job-Id", f"job-{n}")],
+    )
+
+
+def _channel(inbox: Inbox, *, pipelining: bool = True, timeout: float = 5.0) -> SmtpChannel:
+    return SmtpChannel(SmtpSettings("127.0.0.1", inbox.port, timeout=timeout, pipelining=pipelining))
+
+
+@MODES
+async def test_messages_arrive_byte_for_byte(pipelining: bool) -> None:
+    with Inbox(pipelining=True) as inbox:
+        channel = _channel(inbox, pipelining=pipelining)
+        try:
+            messages = [_message(n) for n in range(5)]
+            for message in messages:
+                assert isinstance(await channel.send(message, timeout=5), Accepted)
+            assert channel.pipelined is pipelining
+        finally:
+            await channel.close()
+    assert [m.data for m in inbox.messages] == [m.as_bytes() for m in messages]
+    assert [m.rcpt_to for m in inbox.messages] == [(m.recipient,) for m in messages]
+    # pipelined: each envelope (MAIL, RCPT, DATA) went out in one write
+    assert inbox.pipelined_envelopes == (5 if pipelining else 0)
+
+
+async def test_a_server_without_pipelining_gets_one_command_at_a_time() -> None:
+    with Inbox(pipelining=False) as inbox:
+        channel = _channel(inbox)
+        try:
+            assert isinstance(await channel.send(_message(1), timeout=5), Accepted)
+            assert not channel.pipelined
+        finally:
+            await channel.close()
+    assert inbox.pipelined_envelopes == 0
+    assert len(inbox.messages) == 1
+
+
+@MODES
+async def test_a_rejected_recipient_is_a_hard_bounce_and_the_channel_goes_on(pipelining: bool) -> None:
+    faults = InboxFaults(reject=lambda address: "550 5.1.1 no such user" if address.startswith("reader1@") else None)
+    with Inbox(faults=faults) as inbox:
+        channel = _channel(inbox, pipelining=pipelining)
+        try:
+            outcome = await channel.send(_message(1), timeout=5)
+            assert isinstance(outcome, Permanent) and outcome.hard_bounce and "550" in outcome.error
+            # the refused envelope's replies were all read: the next message's replies are its own
+            for n in (2, 3):
+                assert isinstance(await channel.send(_message(n), timeout=5), Accepted)
+        finally:
+            await channel.close()
+    assert [m.job_id for m in inbox.messages] == ["job-2", "job-3"]
+
+
+@MODES
+async def test_a_temporary_refusal_of_the_content_is_a_certain_retry(pipelining: bool) -> None:
+    faults = InboxFaults(temp_fail=1.0, seed=3)
+    with Inbox(faults=faults) as inbox:
+        channel = _channel(inbox, pipelining=pipelining)
+        try:
+            outcomes = [await channel.send(_message(n), timeout=5) for n in range(6)]
+            assert all(isinstance(o, Retry) and not o.uncertain for o in outcomes), outcomes
+            assert faults.counts["421"] and faults.counts["temp_fail"] > faults.counts["421"]
+            faults.temp_fail = 0.0
+            assert isinstance(await channel.send(_message(9), timeout=5), Accepted)
+        finally:
+            await channel.close()
+    assert [m.job_id for m in inbox.messages] == ["job-9"]
+
+
+@MODES
+async def test_a_connection_lost_after_the_content_is_uncertain(pipelining: bool) -> None:
+    faults = InboxFaults(drop_after_data=1.0)
+    with Inbox(faults=faults) as inbox:
+        channel = _channel(inbox, pipelining=pipelining)
+        try:
+            outcome = await channel.send(_message(1), timeout=5)
+            assert isinstance(outcome, Retry) and outcome.uncertain, outcome
+            faults.drop_after_data = 0.0
+            assert isinstance(await channel.send(_message(2), timeout=5), Accepted)
+        finally:
+            await channel.close()
+    # the uncertain one did arrive: that is why a re-send of it goes to the possible-duplicate ledger
+    assert [m.job_id for m in inbox.messages] == ["job-1", "job-2"]
+
+
+@MODES
+async def test_no_answer_in_time_after_the_content_is_uncertain(pipelining: bool) -> None:
+    faults = InboxFaults(slow=1.0, slow_seconds=1.0)
+    with Inbox(faults=faults) as inbox:
+        channel = _channel(inbox, pipelining=pipelining, timeout=0.3)
+        try:
+            outcome = await channel.send(_message(1), timeout=5)
+            assert isinstance(outcome, Retry) and outcome.uncertain, outcome
+            assert "SMTPReadTimeoutError" in outcome.error  # what operators (and the chaos suite) look for
+        finally:
+            await channel.close()
+
+
+@MODES
+async def test_a_gate_that_withholds_delivers_nothing_and_the_channel_recovers(pipelining: bool) -> None:
+    seen: list[int] = []
+
+    async def withhold() -> float | None:
+        seen.append(len(inbox.messages))
+        return None
+
+    async def allow() -> float | None:
+        return 5.0
+
+    with Inbox() as inbox:
+        channel = _channel(inbox, pipelining=pipelining)
+        try:
+            assert isinstance(await channel.send(_message(0), timeout=5, gate=allow), Accepted)
+            outcome = await channel.send(_message(1), timeout=5, gate=withhold)
+            assert isinstance(outcome, Withheld)
+            assert isinstance(await channel.send(_message(2), timeout=5, gate=allow), Accepted)
+        finally:
+            await channel.close()
+    assert seen == [1]
+    assert [m.job_id for m in inbox.messages] == ["job-0", "job-2"]
+
+
+def test_wire_content_makes_canonical_dot_stuffed_data() -> None:
+    assert wire_content(b"a\r\n.b\r\nc") == b"a\r\n..b\r\nc\r\n.\r\n"
+    assert wire_content(b".x\n..y\rz\r\n") == b"..x\r\n...y\r\nz\r\n.\r\n"
+    assert wire_content(b"") == b"\r\n.\r\n"
