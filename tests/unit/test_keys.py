@@ -71,3 +71,22 @@ def test_tokens_verify_reject_forgeries_and_survive_rotation() -> None:
         old.verify("verify", old.sign("verify", {"a": 1}), max_age=-1)
     with pytest.raises(ValueError, match="16 bytes"):
         KeyRing(b"short")
+
+
+@given(
+    st.dictionaries(st.sampled_from("ascb"), st.integers(min_value=0, max_value=2**62), min_size=1),
+    st.booleans(),
+)
+def test_stable_tokens_are_exactly_what_itsdangerous_signs(payload: dict[str, int], rotated: bool) -> None:
+    # Links already in mailboxes must keep verifying, and a re-sent message must carry the same link:
+    # the signer cached per purpose may not change a byte of the token.
+    from itsdangerous import URLSafeSerializer
+
+    ring = KeyRing(b"current-secret-0123456789", b"previous-secret-0123456789" if rotated else None)
+    keys = [ring.previous, ring.current] if ring.previous else [ring.current]
+    expected = URLSafeSerializer(keys, salt="sendonce.unsubscribe").dumps(payload)
+    assert ring.sign_stable("unsubscribe", payload) == expected
+    assert ring.sign_stable("unsubscribe", payload) == expected  # the cached signer, a second time
+    assert ring.verify_stable("unsubscribe", expected) == payload
+    with pytest.raises(InvalidToken):
+        ring.verify_stable("other-purpose", ring.sign_stable("unsubscribe", payload))

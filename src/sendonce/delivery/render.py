@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
@@ -81,6 +81,8 @@ class CompiledTemplate:
     variables: frozenset[str]
     _template: jinja2.Template | None
     _static: str | None
+    _globals: Mapping[str, Any] = field(default_factory=dict)
+    """The template's globals, merged into a plain dict once (Jinja merges its ChainMap per render)."""
 
     def render(self, context: Mapping[str, Any]) -> str:
         if self._static is not None:
@@ -90,7 +92,9 @@ class CompiledTemplate:
         try:
             parts: list[str] = []
             size = 0
-            for part in self._template.generate(context):
+            template = self._template
+            # What Template.generate does, minus merging the globals again for every recipient.
+            for part in template.root_render_func(template.new_context({**self._globals, **context}, shared=True)):
                 size += len(part)
                 if size > MAX_OUTPUT:
                     raise SecurityError(f"the template produces more than {MAX_OUTPUT} characters")
@@ -128,7 +132,7 @@ def compile_template(
     if not variables:
         # No per-recipient input: render once, now.
         return CompiledTemplate(source, variables, None, CompiledTemplate(source, variables, template, None).render({}))
-    return CompiledTemplate(source, variables, template, None)
+    return CompiledTemplate(source, variables, template, None, dict(template.globals))
 
 
 def html_to_text(html: str) -> str:

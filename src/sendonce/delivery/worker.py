@@ -655,6 +655,7 @@ class Worker:
         await self._check_campaigns(conn)
 
         self.stats.released += released
+        recorded = recorded_sent | recorded_retry | recorded_failed
         for key, result in by_key.items():
             self._held.pop(key, None)
             d = result.held.delivery
@@ -663,7 +664,7 @@ class Worker:
             if outcome is None:
                 logger.debug("%s released", d.job_id, extra={"action": "released", **extra})
                 continue
-            if key not in recorded_sent | recorded_retry | recorded_failed:
+            if key not in recorded:
                 self.stats.fenced_out += 1
                 logger.warning(
                     "%s: outcome refused, the row was re-claimed by another worker (attempt %d is stale)",
