@@ -120,8 +120,9 @@ def _timeout(n: int) -> float:
 # -- the bare loop -----------------------------------------------------------------------------------
 
 
-def run_bare(ctx: Context, workers: int, concurrency: int, n: int) -> RunResult:
-    name = f"bare-{workers}x{concurrency}"
+def run_bare(ctx: Context, workers: int, concurrency: int, n: int, *, pipelined: bool = False) -> RunResult:
+    kind = "bare-pipelined" if pipelined else "bare"
+    name = f"{kind}-{workers}x{concurrency}"
     sink = Sink(ctx.log_dir, ctx.sink_binary, name)
     shares = [n // workers + (1 if i < n % workers else 0) for i in range(workers)]
     procs = []
@@ -129,7 +130,8 @@ def run_bare(ctx: Context, workers: int, concurrency: int, n: int) -> RunResult:
     for i, share in enumerate(shares):
         procs.append(
             CHILDREN.spawn(
-                [sys.executable, "-m", "sobench.bare", str(sink.port), str(concurrency), str(share), str(first)],
+                [sys.executable, "-m", "sobench.bare", str(sink.port), str(concurrency), str(share), str(first)]
+                + (["pipelined"] if pipelined else []),
                 env=ctx.env(),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -163,7 +165,7 @@ def run_bare(ctx: Context, workers: int, concurrency: int, n: int) -> RunResult:
     if delivered != n:
         problems.append(f"the sink counted {delivered} messages, expected {n}")
     return RunResult(
-        "bare", workers, concurrency, n, seconds, delivered, sink.kind, problems,
+        kind, workers, concurrency, n, seconds, delivered, sink.kind, problems,
         {"size": reports[0]["size"], "client_cpu_ms": 1000 * sum(r["cpu"] for r in reports) / n,
          "sink_cpu_ms": 1000 * sink_cpu / n, "other_cores": other},
     )  # fmt: skip
