@@ -7,7 +7,16 @@ replies in step with its commands) after every kind of refusal.
 
 from __future__ import annotations
 
+import ipaddress
+import ssl
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from sendonce.domain.message import OutgoingMessage
 from sendonce.testing.inbox import Inbox, InboxFaults
@@ -156,3 +165,67 @@ def test_wire_content_makes_canonical_dot_stuffed_data() -> None:
     assert wire_content(b"a\r\n.b\r\nc") == b"a\r\n..b\r\nc\r\n.\r\n"
     assert wire_content(b".x\n..y\rz\r\n") == b"..x\r\n...y\r\nz\r\n.\r\n"
     assert wire_content(b"") == b"\r\n.\r\n"
+
+
+def _server_tls(tmp_path: Path) -> ssl.SSLContext:
+    """A self-signed certificate for 127.0.0.1, made here (the client is told not to verify it)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "inbox.sendonce.test")])
+    now = datetime.now(UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(days=1))
+        .not_valid_after(now + timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+@pytest.mark.parametrize("implicit", [False, True], ids=["starttls", "smtps"])
+async def test_pipelining_over_tls_with_a_login(tmp_path: Path, implicit: bool) -> None:
+    # The connection aiosmtplib secured and logged in is the one the channel then pipelines on.
+    context = _server_tls(tmp_path)
+    tls = {"implicit_tls": context} if implicit else {"starttls": context}
+    with Inbox(login=("mailer", "s3cret"), **tls) as inbox:  # type: ignore[arg-type]
+        channel = SmtpChannel(
+            SmtpSettings(
+                "127.0.0.1",
+                inbox.port,
+                use_tls=implicit,
+                start_tls=not implicit,
+                username="mailer",
+                password="s3cret",
+                validate_certs=False,
+                timeout=5,
+            )
+        )
+        try:
+            messages = [_message(n) for n in range(3)]
+            for message in messages:
+                assert isinstance(await channel.send(message, timeout=5), Accepted)
+            assert channel.pipelined
+        finally:
+            await channel.close()
+        wrong = SmtpChannel(
+            SmtpSettings("127.0.0.1", inbox.port, use_tls=implicit, start_tls=not implicit,
+                         username="mailer", password="wrong", validate_certs=False, timeout=5)
+        )  # fmt: skip
+        outcome = await wrong.send(_message(9), timeout=5)
+        await wrong.close()
+    # a refused login is the server's settings, not this message's fault: retried, never failed for good
+    assert isinstance(outcome, Retry) and not outcome.uncertain and "535" in outcome.error, outcome
+    assert [m.data for m in inbox.messages] == [m.as_bytes() for m in messages]
+    assert all(m.tls for m in inbox.messages)
+    assert inbox.pipelined_envelopes == 3

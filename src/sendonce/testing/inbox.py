@@ -9,6 +9,7 @@ import asyncio
 import email
 import email.policy
 import random
+import ssl
 import threading
 import time
 from collections import Counter
@@ -18,7 +19,7 @@ from email.message import EmailMessage
 from typing import Any
 
 from aiosmtpd.controller import Controller
-from aiosmtpd.smtp import SMTP, Envelope, Session
+from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 
 JOB_HEADER = b"sendonce-job-id:"
 
@@ -30,6 +31,8 @@ class Received:
     data: bytes
     received_at: float
     job_id: str | None
+    tls: bool = False
+    """It came over TLS (STARTTLS or implicit)."""
 
     def parsed(self) -> EmailMessage:
         message = email.message_from_bytes(self.data, policy=email.policy.default)
@@ -126,6 +129,9 @@ class _Handler:
                 data=data,
                 received_at=time.time(),
                 job_id=_job_id(data),
+                # session.ssl is set by STARTTLS only; an implicit-TLS transport says so itself
+                tls=session.ssl is not None
+                or (server.transport is not None and server.transport.get_extra_info("sslcontext") is not None),
             )
         )
         if faults.roll(faults.drop_after_data):
@@ -147,7 +153,15 @@ class Inbox:
         faults: InboxFaults | None = None,
         smtputf8: bool = True,
         pipelining: bool = True,
+        starttls: ssl.SSLContext | None = None,
+        implicit_tls: ssl.SSLContext | None = None,
+        login: tuple[str, str] | None = None,
     ) -> None:
+        """``starttls``: offer STARTTLS with this server context; ``implicit_tls``: TLS from the first
+        byte (smtps); ``login``: require AUTH with this user name and password (over TLS)."""
+        self.starttls = starttls
+        self.implicit_tls = implicit_tls
+        self.login = login
         self.host = host
         self.smtputf8 = smtputf8
         self.pipelining = pipelining
@@ -173,9 +187,24 @@ class Inbox:
             decode_data=False,
             data_size_limit=10 * 1024 * 1024,
             server_hostname="inbox.sendonce.test",
+            tls_context=self.starttls,
+            ssl_context=self.implicit_tls,
+            # aiosmtpd knows only STARTTLS as TLS: over implicit TLS it neither requires TLS for AUTH
+            # (the connection is TLS all the same) nor requires AUTH (it would warn); a client that
+            # logs in is still checked.
+            auth_required=self.login is not None and self.implicit_tls is None,
+            auth_require_tls=self.implicit_tls is None,
+            authenticator=self._authenticate if self.login is not None else None,
+            auth_exclude_mechanism=["LOGIN"],  # PLAIN is enough, and is what a refused login is tested with
         )
         self._controller.start()
         return self
+
+    def _authenticate(
+        self, server: SMTP, session: Session, envelope: Envelope, mechanism: str, data: Any
+    ) -> AuthResult:
+        ok = isinstance(data, LoginPassword) and (data.login.decode(), data.password.decode()) == self.login
+        return AuthResult(success=ok, handled=False)  # not handled: aiosmtpd answers 535 itself
 
     def stop(self) -> None:
         if self._controller is not None:

@@ -60,8 +60,8 @@ class Withheld:
 Outcome = Accepted | Retry | Permanent | Withheld
 
 Gate = Callable[[], Awaitable[float | None]]
-"""Awaited right before the message's content goes out (SMTP: before DATA). Returns the seconds left
-for the rest of the send, or None to withhold the message."""
+"""Awaited right before the message's content goes out (SMTP: the content after DATA's 354). Returns
+the seconds left for the rest of the send, or None to withhold the message."""
 
 
 class Channel(ABC):

@@ -303,6 +303,11 @@ class SmtpChannel(Channel):
         self._dirty = True
         if code == 421:  # the server is closing the connection
             await self.close()
+        if phase == "connect":
+            # A refused greeting, STARTTLS or login says nothing about this message: the server or
+            # its settings are wrong, and every message would fail alike. Retry, with backoff.
+            await self.close()
+            return Retry(f"{phase}: {code} {text}"[:500])
         if 500 <= code < 600:
             # A 5xx to RCPT or DATA rejects this recipient for good: a hard bounce.
             return Permanent(f"{phase}: {code} {text}"[:500], hard_bounce=phase in ("rcpt", "data"))
