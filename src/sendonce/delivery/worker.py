@@ -8,8 +8,9 @@ One asyncio process runs these tasks, each with its own database connection:
 * ``--concurrency`` **senders**, each with its own transport lane (an SMTP connection), compose and
   send; a sender never starts a send after its claim's deadline (claim time + lease - margin, by
   this process's clock), and caps the send's own timeout at the lease's end;
-* the **recorder** writes outcomes in groups every few milliseconds (one ``UPDATE ... FROM unnest``
-  per kind of outcome), fenced by the attempt each row was claimed with;
+* the **recorders** (two connections: one group starts while the previous one is written) write
+  outcomes in groups every few milliseconds (one ``UPDATE ... FROM unnest`` per kind of outcome),
+  fenced by the attempt each row was claimed with;
 * the **housekeeper** renews the leases still held, drops rows it no longer owns (so they are not
   sent), releases rows of paused campaigns that were not started, puts expired leases back in the
   queue, starts due campaigns and finishes completed ones;
@@ -71,6 +72,9 @@ class WorkerConfig:
     """Subscribers examined per recipient-list build transaction."""
     record_interval: float = 0.002
     """How long outcomes gather before one grouped, fenced UPDATE records them (group commit)."""
+    recorders: int = 2
+    """Recorder connections. While one group is being written (and flushed to disk), the next one
+    starts on another: a lane waiting for its previous message's record waits for one group, not two."""
     send_timeout: float = 30.0
     db_timeout: float = 0.0
     """Longest wait for one database call before the connection is abandoned (0: max(lease, 5s))."""
@@ -89,8 +93,8 @@ class WorkerConfig:
     name: str = ""
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1 or self.batch_size < 1:
-            raise ValueError("concurrency and batch size must be at least 1")
+        if self.concurrency < 1 or self.batch_size < 1 or self.recorders < 1:
+            raise ValueError("concurrency, batch size and recorders must be at least 1")
         if self.lease < 1.0:
             raise ValueError("the lease must be at least one second")
         if self.tick <= 0:
@@ -269,13 +273,13 @@ class Worker:
         await self.transport.start()
         channels = [self.transport.channel() for _ in range(self.config.concurrency)]
         senders = [asyncio.create_task(self._sender(channel), name=f"sender-{i}") for i, channel in enumerate(channels)]
-        recorder = asyncio.create_task(self._recorder(), name="recorder")
+        recorders = [asyncio.create_task(self._recorder(), name=f"recorder-{i}") for i in range(self.config.recorders)]
         background = [
             asyncio.create_task(self._listener(), name="listener"),
             asyncio.create_task(self._housekeeper(), name="housekeeper"),
             asyncio.create_task(self._builder(), name="builder"),
         ]
-        for task in [*background, recorder, *senders]:
+        for task in [*background, *recorders, *senders]:
             task.add_done_callback(self._task_done)
         claimer = asyncio.create_task(self._claimer(), name="claimer")
         self._build_wanted.set()
@@ -288,7 +292,7 @@ class Worker:
             await asyncio.gather(*senders, return_exceptions=True)
             self._stopped.set()
             self._record_wanted.set()
-            await asyncio.gather(recorder, return_exceptions=True)
+            await asyncio.gather(*recorders, return_exceptions=True)
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
@@ -320,6 +324,11 @@ class Worker:
         """
         try:
             return await _bounded(self._db_call(lane, fn, *args), self.config.db_timeout)
+        except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure) as exc:
+            # Two transactions met on the same rows in different orders; PostgreSQL rolled this one
+            # back whole. Nothing was written: the caller tries again.
+            logger.warning("%s: %s; will retry", what, type(exc).__name__, extra={"action": "db_conflict"})
+            return None
         except (psycopg.Error, OSError, TimeoutError) as exc:
             if not isinstance(exc, TimeoutError) and not is_unavailable(exc):
                 raise
@@ -488,7 +497,8 @@ class Worker:
         # Without idempotency keys, an accepted message that is not recorded yet is the one a crash
         # would duplicate. A lane never sends a message's content (SMTP: DATA) while its previous
         # accepted message is unrecorded, so at any instant each connection has at most one such
-        # message. It may prepare the next one meanwhile (MAIL FROM, RCPT TO): those deliver nothing.
+        # message. It may prepare the next one meanwhile (MAIL FROM, RCPT TO, DATA up to its 354): those
+        # deliver nothing.
         unrecorded: asyncio.Event | None = None
         while True:
             held = await self._ready.get()
@@ -586,6 +596,8 @@ class Worker:
                     # Nobody waits: let outcomes gather for a moment, one grouped UPDATE for many.
                     # When a lane waits, flush at once; outcomes arriving meanwhile form the next group.
                     await asyncio.sleep(self.config.record_interval)
+                    if not self._results:  # another recorder took them meanwhile
+                        continue
                 results, self._results = self._results, []
                 ok = await self._with_db(lane, "record", self._record, results)
                 if ok is None:

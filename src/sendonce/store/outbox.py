@@ -199,6 +199,7 @@ async def record_failed(conn: Conn, items: Sequence[FailedRecord]) -> FailedOutc
                 if row["campaign_id"] is not None:
                     campaigns.add((row["account_id"], row["campaign_id"]))
         for account_id, pairs in by_account.items():
+            pairs.sort()  # one order of addresses for every recorder: concurrent groups do not deadlock
             await conn.execute(
                 query("suppress_bounced"),
                 {
