@@ -31,6 +31,21 @@ def test_templates_render_per_recipient_and_static_ones_once() -> None:
     assert html.render({"name": "<script>"}) == "<p>&lt;script&gt;</p>"
 
 
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("{% for c in 'abc' %}{{ c }}{% endfor %}", "abc"),  # every loop goes through the budget global
+        ("{{ range(3) | list }}", "[0, 1, 2]"),
+        ("{% set ns = namespace(n=2) %}{{ ns.n }}", "2"),
+    ],
+)
+def test_templates_see_the_environments_globals(source: str, expected: str) -> None:
+    # With no recipient variable a template is rendered once at compile time, and with one it is
+    # rendered per recipient: both must see the globals (loops, range, namespace).
+    assert compile_template(source).render({}) == expected
+    assert compile_template(source + "{{ name }}").render({"name": "!"}) == expected + "!"
+
+
 def test_missing_variables_are_errors_not_blanks() -> None:
     template = compile_template("Hi {{ attributes.city }}")
     with pytest.raises(TemplateError, match="missing"):

@@ -131,7 +131,8 @@ def compile_template(
         return CompiledTemplate(source, variables, None, source)
     if not variables:
         # No per-recipient input: render once, now.
-        return CompiledTemplate(source, variables, None, CompiledTemplate(source, variables, template, None).render({}))
+        once = CompiledTemplate(source, variables, template, None, dict(template.globals))
+        return CompiledTemplate(source, variables, None, once.render({}))
     return CompiledTemplate(source, variables, template, None, dict(template.globals))
 
 
