@@ -7,6 +7,7 @@ replies in step with its commands) after every kind of refusal.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import ssl
 from datetime import UTC, datetime, timedelta
@@ -159,6 +160,28 @@ async def test_a_gate_that_withholds_delivers_nothing_and_the_channel_recovers(p
             await channel.close()
     assert seen == [1]
     assert [m.job_id for m in inbox.messages] == ["job-0", "job-2"]
+
+
+async def test_a_connection_lost_while_the_gate_holds_the_message_is_a_certain_retry() -> None:
+    # Nothing of the content went out: the re-send is not a possible duplicate.
+    inbox = Inbox().start()
+    channel = _channel(inbox)
+
+    async def server_goes_away() -> float | None:
+        inbox.stop()
+        for _ in range(200):  # until this side has seen the connection end
+            if channel._pipe is None or not channel._pipe.is_connected:
+                break
+            await asyncio.sleep(0.01)
+        return 5.0
+
+    try:
+        outcome = await channel.send(_message(1), timeout=5, gate=server_goes_away)
+    finally:
+        await channel.close()
+        inbox.stop()
+    assert isinstance(outcome, Retry) and not outcome.uncertain, outcome
+    assert inbox.messages == []
 
 
 def test_wire_content_makes_canonical_dot_stuffed_data() -> None:

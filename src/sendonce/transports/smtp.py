@@ -124,9 +124,13 @@ class _Replies(asyncio.Protocol):
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
+    @property
+    def lost(self) -> Exception:
+        return self._lost or aiosmtplib.SMTPServerDisconnected("connection lost")
+
     def write(self, data: bytes) -> None:
         if not self.is_connected:
-            raise self._lost or aiosmtplib.SMTPServerDisconnected("connection lost")
+            raise self.lost
         self.transport.write(data)
 
     def _parse(self) -> SMTPResponse | None:
@@ -171,7 +175,9 @@ class _Replies(asyncio.Protocol):
                 self._waiter = None
 
     def close(self) -> None:
-        self.transport.close()
+        # abort, not close: close would still flush what is buffered, e.g. the rest of a message
+        # whose reply timed out, and make a duplicate of an uncertain send more likely
+        self.transport.abort()
 
 
 class SmtpChannel(Channel):
@@ -338,7 +344,9 @@ class SmtpChannel(Channel):
                 # A server must refuse DATA when the envelope failed; one that did not now waits for
                 # content that must not be sent. Only closing the connection ends that safely.
                 await self.close()
-                return Retry(f"mail/rcpt: {mail.code} {mail.message} / {rcpt.code} {rcpt.message}"[:500])
+                if mail.code != 250:
+                    return await self._refused("mail", mail.code, mail.message)
+                return await self._refused("rcpt", rcpt.code, rcpt.message)
             for phase, response, good in (("mail", mail, (250,)), ("rcpt", rcpt, (250, 251)), ("data", start, (354,))):
                 if response.code not in good:
                     return await self._refused(phase, response.code, response.message)
@@ -352,6 +360,8 @@ class SmtpChannel(Channel):
                     return Withheld("withheld before the content")
                 timeout = max(min(timeout, left, self.settings.timeout), 0.1)
             phase = "data"
+            if not pipe.is_connected:  # lost while the gate held it: nothing of the content went out
+                raise pipe.lost
             content_sent = True
             pipe.write(content)
             (response,) = await pipe.replies(1, timeout)
