@@ -248,6 +248,8 @@ class Worker:
         self._last_check: dict[tuple[int, int], float] = {}
         self._check_interval = 0.2
         self._background: set[asyncio.Task[None]] = set()
+        self._cursor: outbox.Cursor = {}
+        """Where this worker's last claim of each campaign ended; emptied whenever it finds nothing to do."""
 
     # -- control -------------------------------------------------------------------------------
 
@@ -370,6 +372,10 @@ class Worker:
                 row["claimed_by"],
                 extra={"action": "lease_expired", "job_id": row["job_id"]},
             )
+        if expired:
+            # They keep their place near the front of their queue, behind this worker's cursor: the
+            # next claim starts from the front again, so a dead worker's rows go out now, not last.
+            self._cursor.clear()
         for account_id, campaign_id in await outbox.finish_campaigns(conn):
             logger.info("campaign %s sent", campaign_id, extra={"action": "campaign_sent", "account_id": account_id})
         return bool(started or expired)
@@ -404,6 +410,7 @@ class Worker:
                         lease_seconds=config.lease,
                         worker=self.name,
                         transport_idempotent=self._idempotent,
+                        after=self._cursor,
                     )
                     if rate is not None:
                         await rate_limits.refund(conn, self.transport.rate_bucket, rate, limit - len(batch))
@@ -434,7 +441,9 @@ class Worker:
                 if batch:
                     self.faults.hit("after_claim")
                     continue
-                # Nothing to claim: housekeeping, then sleep until something may be due.
+                # Nothing to claim: housekeeping, then sleep until something may be due. The next
+                # claim starts from the front of every queue again (nothing is left ahead of a cursor).
+                self._cursor.clear()
                 new_work = await self._with_db(lane, "maintenance", self._maintain)
                 if new_work:
                     continue
@@ -657,11 +666,14 @@ class Worker:
             else:
                 failed.append(FailedRecord(d.account_id, d.delivery_id, d.attempt, outcome.error, outcome.hard_bounce))
 
-        recorded_sent = await outbox.record_sent(conn, sent)
-        recorded_retry = await outbox.record_retry(conn, retry)
-        failed_outcome = await outbox.record_failed(conn, failed)
-        recorded_failed = failed_outcome.recorded
-        released = await outbox.release_claims(conn, release)
+        # One transaction: a group is recorded whole or not at all, so a group retried after a failure
+        # (an outage, a deadlock between recorders) never counts a failure twice.
+        async with conn.transaction():
+            recorded_sent = await outbox.record_sent(conn, sent)
+            recorded_retry = await outbox.record_retry(conn, retry)
+            failed_outcome = await outbox.record_failed(conn, failed)
+            recorded_failed = failed_outcome.recorded
+            released = await outbox.release_claims(conn, release)
         self.faults.hit("after_record")
         self._dirty_campaigns |= failed_outcome.bounced_campaigns
         await self._check_campaigns(conn)

@@ -36,10 +36,30 @@ class ClaimedDelivery:
     uncertain: bool
     name: str | None
     attributes: dict[str, Any] | None
+    not_before: datetime | None = None
+    """Its place in the campaign's queue, with delivery_id: where the claim's cursor moves to."""
 
     @property
     def key(self) -> Key:
         return (self.account_id, self.delivery_id)
+
+
+Cursor = dict[tuple[int, int], tuple[datetime, int]]
+"""Per campaign (account_id, campaign_id): the queue position (not_before, delivery_id) of the last
+row this worker claimed. A claim starts after it."""
+
+
+def advance(cursor: Cursor, batch: Sequence[ClaimedDelivery]) -> None:
+    """Move each campaign's cursor to the furthest row of ``batch`` (never backwards: rows taken from
+    behind it, given back earlier, do not move it)."""
+    for delivery in batch:
+        if delivery.campaign_id is None or delivery.not_before is None:
+            continue
+        key = (delivery.account_id, delivery.campaign_id)
+        position = (delivery.not_before, delivery.delivery_id)
+        current = cursor.get(key)
+        if current is None or position > current:
+            cursor[key] = position
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,18 +122,35 @@ def _in_key_order(rows: Sequence[T]) -> list[T]:
 
 
 async def claim_batch(
-    conn: Conn, *, limit: int, lease_seconds: float, worker: str, transport_idempotent: bool
+    conn: Conn,
+    *,
+    limit: int,
+    lease_seconds: float,
+    worker: str,
+    transport_idempotent: bool,
+    after: Cursor | None = None,
 ) -> list[ClaimedDelivery]:
-    cursor = await conn.execute(
+    """Claim up to ``limit`` due rows. With ``after`` (the worker's cursor), campaign rows are taken
+    after it first, then from the front of the queue if that did not fill the batch; the cursor is
+    moved past what was claimed."""
+    positions = sorted((after or {}).items())
+    result = await conn.execute(
         query("claim_batch"),
         {
             "limit": limit,
             "lease_seconds": lease_seconds,
             "worker": worker,
             "transport_idempotent": transport_idempotent,
+            "after_accounts": [key[0] for key, _ in positions],
+            "after_campaigns": [key[1] for key, _ in positions],
+            "after_not_befores": [position[0] for _, position in positions],
+            "after_deliveries": [position[1] for _, position in positions],
         },
     )
-    return [ClaimedDelivery(**row) for row in await cursor.fetchall()]
+    batch = [ClaimedDelivery(**row) for row in await result.fetchall()]
+    if after is not None:
+        advance(after, batch)
+    return batch
 
 
 @dataclass(frozen=True, slots=True)
