@@ -51,10 +51,20 @@ def _die_with_parent() -> Callable[[], None] | None:
 _PREEXEC = _die_with_parent()
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free now and never handed out before by this process. The kernel may offer the same
+    free port twice in a row (the first process it was meant for has not bound it yet): two API
+    processes then raced for one port and the loser exited (seen once in a chaos run)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass(frozen=True, slots=True)
