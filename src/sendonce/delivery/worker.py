@@ -250,6 +250,9 @@ class Worker:
         self._background: set[asyncio.Task[None]] = set()
         self._cursor: outbox.Cursor = {}
         """Where this worker's last claim of each campaign ended; emptied whenever it finds nothing to do."""
+        self._requeues = 0
+        """Times this worker put expired leases back in the queue (a claim in flight meanwhile must not
+        move the cursor past them again)."""
 
     # -- control -------------------------------------------------------------------------------
 
@@ -375,6 +378,7 @@ class Worker:
         if expired:
             # They keep their place near the front of their queue, behind this worker's cursor: the
             # next claim starts from the front again, so a dead worker's rows go out now, not last.
+            self._requeues += 1
             self._cursor.clear()
         for account_id, campaign_id in await outbox.finish_campaigns(conn):
             logger.info("campaign %s sent", campaign_id, extra={"action": "campaign_sent", "account_id": account_id})
@@ -404,6 +408,7 @@ class Worker:
                         limit, left = await rate_limits.take_up_to(conn, self.transport.rate_bucket, rate, limit)
                         if limit == 0:
                             return (1.0 - left) / rate.per_second
+                    requeues = self._requeues
                     batch = await outbox.claim_batch(
                         conn,
                         limit=limit,
@@ -412,6 +417,8 @@ class Worker:
                         transport_idempotent=self._idempotent,
                         after=self._cursor,
                     )
+                    if self._requeues != requeues:  # the housekeeper requeued rows during this claim
+                        self._cursor.clear()
                     if rate is not None:
                         await rate_limits.refund(conn, self.transport.rate_bucket, rate, limit - len(batch))
                     if config.domain_rates:
