@@ -265,9 +265,17 @@ class Harness:
         return [self.procs.spawn_worker(self.sink.url(), faults=faults) for _ in range(n)]
 
     def go(self) -> None:
-        """Approve the campaign and start the signup traffic."""
+        """Approve the campaign, once every worker started so far is up, and start the signup traffic.
+
+        Workers that are still starting would find a small campaign already sent by the first one up:
+        a scenario that needs a given worker to hold rows (the partition) could then find it idle."""
         assert self.api is not None and self.setup is not None
         self.phase("set up")
+        workers = [p for p in self.procs.procs if p.role in ("worker", "isolated")]
+        self.wait_until(
+            lambda: all(" started (transport " in p.log_text() or not p.alive() for p in workers),
+            time.monotonic() + 30,
+        )
         approve(self.api, self.setup.campaign_id)
         self.approved_at = time.monotonic()
         estimate = max(3.0, self.options.recipients / 600.0)

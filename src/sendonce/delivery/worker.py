@@ -250,9 +250,8 @@ class Worker:
         self._background: set[asyncio.Task[None]] = set()
         self._cursor: outbox.Cursor = {}
         """Where this worker's last claim of each campaign ended; emptied whenever it finds nothing to do."""
-        self._requeues = 0
-        """Times this worker put expired leases back in the queue (a claim in flight meanwhile must not
-        move the cursor past them again)."""
+        self._cursor_resets = 0
+        """Times the cursor was emptied (a claim in flight meanwhile must not move it on again)."""
 
     # -- control -------------------------------------------------------------------------------
 
@@ -375,14 +374,18 @@ class Worker:
                 row["claimed_by"],
                 extra={"action": "lease_expired", "job_id": row["job_id"]},
             )
-        if expired:
-            # They keep their place near the front of their queue, behind this worker's cursor: the
-            # next claim starts from the front again, so a dead worker's rows go out now, not last.
-            self._requeues += 1
-            self._cursor.clear()
+        # Rows requeued here (or given back anywhere: the listener hears of those) are behind the claim
+        # cursors; every housekeeping round starts the next claim from the front again, so no row waits
+        # behind a cursor for longer than a round even if a notification was missed.
+        self._reset_cursor()
         for account_id, campaign_id in await outbox.finish_campaigns(conn):
             logger.info("campaign %s sent", campaign_id, extra={"action": "campaign_sent", "account_id": account_id})
         return bool(started or expired)
+
+    def _reset_cursor(self) -> None:
+        """The next claim of every campaign starts from the front of its queue."""
+        self._cursor_resets += 1
+        self._cursor.clear()
 
     # -- claimer -------------------------------------------------------------------------------
 
@@ -408,7 +411,7 @@ class Worker:
                         limit, left = await rate_limits.take_up_to(conn, self.transport.rate_bucket, rate, limit)
                         if limit == 0:
                             return (1.0 - left) / rate.per_second
-                    requeues = self._requeues
+                    resets = self._cursor_resets
                     batch = await outbox.claim_batch(
                         conn,
                         limit=limit,
@@ -417,7 +420,7 @@ class Worker:
                         transport_idempotent=self._idempotent,
                         after=self._cursor,
                     )
-                    if self._requeues != requeues:  # the housekeeper requeued rows during this claim
+                    if self._cursor_resets != resets:  # reset during this claim: it stays reset
                         self._cursor.clear()
                     if rate is not None:
                         await rate_limits.refund(conn, self.transport.rate_bucket, rate, limit - len(batch))
@@ -450,7 +453,7 @@ class Worker:
                     continue
                 # Nothing to claim: housekeeping, then sleep until something may be due. The next
                 # claim starts from the front of every queue again (nothing is left ahead of a cursor).
-                self._cursor.clear()
+                self._reset_cursor()
                 new_work = await self._with_db(lane, "maintenance", self._maintain)
                 if new_work:
                     continue
@@ -841,7 +844,9 @@ class Worker:
                 async with conn:
                     await conn.execute("LISTEN sendonce_work")
                     self._wake.set()  # anything that happened while we were not listening
-                    async for _notify in conn.notifies():
+                    async for notify in conn.notifies():
+                        if notify.payload in ("requeued", "released"):
+                            self._reset_cursor()  # rows went back to the queue behind the cursor
                         self._wake.set()
                         self._build_wanted.set()
             except (psycopg.Error, OSError) as exc:

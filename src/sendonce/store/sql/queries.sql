@@ -302,6 +302,9 @@ RETURNING account_id, campaign_id;
 -- Rows whose lease ran out (their worker died, hung, or lost the database) go back to the queue,
 -- flagged uncertain: the dead attempt may have reached the recipient. The attempt (fencing token)
 -- is kept, so the old worker can still record an outcome it really got until someone re-claims.
+-- They keep their place near the front of their queue, behind the workers' claim cursors: the
+-- NOTIFY (sent once, at commit, only if rows were requeued) makes every worker start its next claim
+-- from the front, so they go out now rather than at the end of the campaign.
 WITH expired AS (
     SELECT account_id, delivery_id
       FROM sendonce.deliveries
@@ -309,12 +312,14 @@ WITH expired AS (
      ORDER BY lease_expires_at
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
+), requeued AS (
+    UPDATE sendonce.deliveries d
+       SET status = 'queued', uncertain = true, lease_expires_at = NULL, updated_at = now()
+      FROM expired e
+     WHERE d.account_id = e.account_id AND d.delivery_id = e.delivery_id
+    RETURNING d.account_id, d.delivery_id, d.job_id, d.attempt, d.claimed_by
 )
-UPDATE sendonce.deliveries d
-   SET status = 'queued', uncertain = true, lease_expires_at = NULL, updated_at = now()
-  FROM expired e
- WHERE d.account_id = e.account_id AND d.delivery_id = e.delivery_id
-RETURNING d.account_id, d.delivery_id, d.job_id, d.attempt, d.claimed_by;
+SELECT r.*, (SELECT pg_notify('sendonce_work', 'requeued')) IS NULL AS notified FROM requeued r;
 
 -- claim_batch --
 -- Claim up to %(limit)s due deliveries for one worker, transactional mail first, in one statement.
