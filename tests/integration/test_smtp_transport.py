@@ -188,6 +188,8 @@ def test_wire_content_makes_canonical_dot_stuffed_data() -> None:
     assert wire_content(b"a\r\n.b\r\nc") == b"a\r\n..b\r\nc\r\n.\r\n"
     assert wire_content(b".x\n..y\rz\r\n") == b"..x\r\n...y\r\nz\r\n.\r\n"
     assert wire_content(b"") == b"\r\n.\r\n"
+    # as many CRs as LFs, but not in pairs
+    assert wire_content(b"a\n\rb") == b"a\r\n\r\nb\r\n.\r\n"
 
 
 def _server_tls(tmp_path: Path) -> ssl.SSLContext:

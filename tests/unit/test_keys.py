@@ -90,3 +90,24 @@ def test_stable_tokens_are_exactly_what_itsdangerous_signs(payload: dict[str, in
     assert ring.verify_stable("unsubscribe", expected) == payload
     with pytest.raises(InvalidToken):
         ring.verify_stable("other-purpose", ring.sign_stable("unsubscribe", payload))
+
+
+def test_stable_signer_takes_the_fast_path_only_when_it_agrees_with_itsdangerous() -> None:
+    import hashlib
+
+    from itsdangerous import URLSafeSerializer
+
+    from sendonce.domain.keys import _StableSigner
+
+    payload = {"a": 7, "s": 1_000_000_000_000, "c": 3}
+    usual = URLSafeSerializer([b"current-secret-0123456789"], salt="sendonce.unsubscribe")
+    fast = _StableSigner(usual)
+    assert fast._fast  # itsdangerous's defaults (HMAC-SHA1, django-concat): one OpenSSL call per token
+    assert fast.dumps(payload) == usual.dumps(payload)
+    # A serializer that signs some other way: the probe disagrees and itsdangerous signs every token.
+    other = URLSafeSerializer(
+        [b"current-secret-0123456789"], salt="sendonce.unsubscribe", signer_kwargs={"digest_method": hashlib.sha256}
+    )
+    careful = _StableSigner(other)
+    assert not careful._fast
+    assert careful.dumps(payload) == other.dumps(payload)

@@ -6,6 +6,8 @@ import email
 import email.policy
 from email.message import EmailMessage
 
+import pytest
+
 from sendonce.domain.message import OutgoingMessage, format_address
 
 
@@ -56,6 +58,7 @@ def test_multipart_with_unicode_subject_name_and_bodies() -> None:
         html="<p>Grüße <b>aus</b> Köln</p>",
     ).as_bytes()
     assert data.isascii()  # 7-bit safe: encoded words and quoted-printable
+    assert data.count(b"Content-Transfer-Encoding: quoted-printable") == 2  # non-ASCII bodies
     parsed = _parse(data)
     assert parsed["Subject"] == "Café — ünïcödé news, a subject long enough to need folding across more than one line"
     assert parsed["To"].addresses[0].display_name == "Zoë Ærøskøbing"
@@ -81,3 +84,44 @@ def test_lines_starting_with_a_dot_and_long_lines_survive() -> None:
     text = ".leading dot\n" + "x" * 2000
     parsed = _parse(_message(text=text).as_bytes())
     assert parsed.get_content().replace("\r\n", "\n") == text
+
+
+def _part_encodings(data: bytes) -> list[str]:
+    return [str(part["Content-Transfer-Encoding"]) for part in _parse(data).walk() if not part.is_multipart()]
+
+
+def test_plain_ascii_bodies_go_as_they_are() -> None:
+    html = '<p style="color: #222">Hello <a href="https://x.test/?a=1&b=2">there</a></p>\n'
+    data = _message(text="Hello\nsecond line\n", html=html).as_bytes()
+    assert _part_encodings(data) == ["7bit", "7bit"]
+    assert b'style="color: #222"' in data and b"?a=1&b=2" in data  # no =3D: the body is not re-encoded
+    assert b"\n" not in data.replace(b"\r\n", b"")
+    parsed = _parse(data)
+    html_part, plain = parsed.get_body(("html",)), parsed.get_body(("plain",))
+    assert html_part is not None and plain is not None
+    assert html_part.get_content().replace("\r\n", "\n") == html
+    assert plain.get_content().replace("\r\n", "\n") == "Hello\nsecond line\n"
+    assert not parsed.defects
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Grüße\n",  # not ASCII
+        "x" * 999,  # a line over RFC 5322's 998
+        "trailing space \nnext",  # relays may strip it: quoted-printable keeps it (=20)
+        "trailing tab\t",
+        "a NUL \0 in text",
+    ],
+)
+def test_bodies_that_plain_7bit_cannot_carry_are_quoted_printable(text: str) -> None:
+    data = _message(text=text).as_bytes()
+    assert _part_encodings(data) == ["quoted-printable"]
+    assert data.isascii() and max(len(line) for line in data.split(b"\r\n")) <= 78
+    assert _parse(data).get_content().replace("\r\n", "\n") == text
+
+
+def test_line_ends_are_crlf_whatever_the_template_wrote() -> None:
+    data = _message(text="a\rb\r\nc\nd").as_bytes()
+    assert _part_encodings(data) == ["7bit"]
+    assert data.endswith(b"a\r\nb\r\nc\r\nd")

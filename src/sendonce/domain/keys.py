@@ -37,15 +37,42 @@ class ExpiredToken(InvalidToken):
     """The link was genuine but has expired."""
 
 
+_PROBE = {"probe": [1, "x"], "n": 2**40}
+
+
+class _StableSigner:
+    """``URLSafeSerializer.dumps``, byte for byte, at a fraction of its cost per token.
+
+    itsdangerous derives the signing key again for every token and computes its HMAC through the
+    pure-Python path of ``hmac`` (its SHA-1 is a function, not a name). The key is derived once here
+    and the HMAC is computed by OpenSSL in one call. Used only when a probe token agrees with
+    itsdangerous's own; otherwise (another version signs differently) itsdangerous signs every token.
+    """
+
+    def __init__(self, serializer: URLSafeSerializer) -> None:
+        self._serializer = serializer
+        self._signer: Signer = serializer.make_signer(serializer.salt)
+        self._key = self._signer.derive_key()
+        self._sep = self._signer.sep
+        self._fast = self._sign_fast(serializer.dump_payload(_PROBE)) == serializer.dumps(_PROBE).encode("ascii")
+
+    def _sign_fast(self, value: bytes) -> bytes:
+        mac = hmac.digest(self._key, value, "sha1")
+        return value + self._sep + base64.urlsafe_b64encode(mac).rstrip(b"=")
+
+    def dumps(self, payload: Any) -> str:
+        value = self._serializer.dump_payload(payload)
+        signed = self._sign_fast(value) if self._fast else self._signer.sign(value)
+        return signed.decode("ascii")
+
+
 @dataclass(frozen=True)
 class KeyRing:
     """The current secret and, during a rotation, the previous one."""
 
     current: bytes
     previous: bytes | None = None
-    _stable_signers: dict[str, tuple[URLSafeSerializer, Signer]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    _stable_signers: dict[str, _StableSigner] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Per purpose, made once: a campaign signs one unsubscribe link per recipient."""
 
     def __post_init__(self) -> None:
@@ -86,13 +113,10 @@ class KeyRing:
     def sign_stable(self, purpose: str, payload: dict[str, Any]) -> str:
         """A signed token without a timestamp: the same payload always gives the same token (so a
         re-sent message is identical), and it never expires (unsubscribe links must keep working)."""
-        cached = self._stable_signers.get(purpose)
-        if cached is None:
-            serializer = self._stable(purpose)
-            cached = self._stable_signers[purpose] = (serializer, serializer.make_signer(serializer.salt))
-        serializer, signer = cached
-        # exactly serializer.dumps(payload), without building a new signer for every token
-        return signer.sign(serializer.dump_payload(payload)).decode("ascii")
+        signer = self._stable_signers.get(purpose)
+        if signer is None:
+            signer = self._stable_signers[purpose] = _StableSigner(self._stable(purpose))
+        return signer.dumps(payload)
 
     def verify_stable(self, purpose: str, token: str) -> dict[str, Any]:
         try:

@@ -3,8 +3,8 @@
 The MIME writer is deliberately small: a campaign sends the same structure to every recipient,
 so building a full ``email.message.EmailMessage`` per recipient (its policy machinery, header
 objects and generator) would cost more than the network. The parts that need care (RFC 2047
-encoded words, address quoting, quoted-printable) use the standard library's encoders; tests parse
-the result back with ``email.policy.default`` to check it.
+encoded words, address quoting, quoted-printable where plain 7bit text will not do) use the
+standard library's encoders; tests parse the result back with ``email.policy.default`` to check it.
 """
 
 from __future__ import annotations
@@ -47,10 +47,31 @@ def format_address(name: str | None, address: str) -> str:
     return f"{formataddr((cleaned, 'x@x'), charset='utf-8')[: -len('<x@x>')]}<{address}>"
 
 
-def _qp(text: str) -> str:
-    # RFC 2045 quoted-printable of the UTF-8 text, CRLF line ends; pure-C in binascii.
-    data = text.replace("\r\n", "\n").replace("\r", "\n").encode("utf-8")
-    return binascii.b2a_qp(data, istext=True).decode("ascii").replace("\n", CRLF)
+_MAX_LINE = 998
+"""RFC 5322 2.1.1: a line is at most 998 characters, CRLF excluded."""
+
+
+def _encode_body(text: str) -> tuple[str, str]:
+    """(Content-Transfer-Encoding, the body with CRLF line ends) for one text part.
+
+    Plain ASCII text with short lines goes as it is (7bit): most newsletters are such text, and
+    quoted-printable would cost a pass over every body and grow it (every ``=`` of an HTML attribute
+    becomes ``=3D``). Anything else is quoted-printable of its UTF-8 (RFC 2045): non-ASCII text, a
+    line longer than the limit, a NUL, or whitespace at the end of a line (relays may strip it, and
+    the body would no longer match its DKIM signature under simple canonicalization).
+    """
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if (
+        text.isascii()
+        and "\0" not in text
+        and " \n" not in text
+        and "\t\n" not in text
+        and not text.endswith((" ", "\t"))
+        and max(map(len, text.split("\n"))) <= _MAX_LINE
+    ):
+        return "7bit", text.replace("\n", CRLF)
+    # pure C in binascii
+    return "quoted-printable", binascii.b2a_qp(text.encode("utf-8"), istext=True).decode("ascii").replace("\n", CRLF)
 
 
 @dataclass(slots=True)
@@ -90,18 +111,18 @@ class OutgoingMessage:
 
     def as_bytes(self) -> bytes:
         """The whole message in RFC 5322 form, CRLF line ends."""
-        text_part = 'Content-Type: text/plain; charset="utf-8"' + CRLF + "Content-Transfer-Encoding: quoted-printable"
+        encoding, text = _encode_body(self.text)
+        text_part = f'Content-Type: text/plain; charset="utf-8"{CRLF}Content-Transfer-Encoding: {encoding}'
         if self.html is None:
-            body = text_part + CRLF + CRLF + _qp(self.text)
+            body = text_part + CRLF + CRLF + text
         else:
-            html_part = (
-                'Content-Type: text/html; charset="utf-8"' + CRLF + "Content-Transfer-Encoding: quoted-printable"
-            )
+            encoding, html = _encode_body(self.html)
+            html_part = f'Content-Type: text/html; charset="utf-8"{CRLF}Content-Transfer-Encoding: {encoding}'
             b = self.boundary
             body = (
                 f'Content-Type: multipart/alternative; boundary="{b}"{CRLF}{CRLF}'
-                f"--{b}{CRLF}{text_part}{CRLF}{CRLF}{_qp(self.text)}{CRLF}"
-                f"--{b}{CRLF}{html_part}{CRLF}{CRLF}{_qp(self.html)}{CRLF}"
+                f"--{b}{CRLF}{text_part}{CRLF}{CRLF}{text}{CRLF}"
+                f"--{b}{CRLF}{html_part}{CRLF}{CRLF}{html}{CRLF}"
                 f"--{b}--{CRLF}"
             )
         data = (self.header_block() + CRLF + body).encode("utf-8")
