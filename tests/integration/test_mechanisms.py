@@ -406,21 +406,20 @@ async def test_campaign_finishes_only_when_nothing_is_open(database_url: str) ->
         assert await outbox.finish_campaigns(conn) == []  # CAS: only once
 
 
-def _queue_scans(node: dict[str, Any]) -> list[dict[str, Any]]:
-    found = [node] if node.get("Index Name") == "deliveries_campaign_queue" else []
+def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    found = [node]
     for child in node.get("Plans", []):
-        found += _queue_scans(child)
+        found += _nodes(child)
     return found
 
 
-async def _claim_buffers(conn: Conn, after: outbox.Cursor) -> int:
-    """Shared buffers the claim's walk of the campaign queue index touches (EXPLAIN ANALYZE BUFFERS),
-    in a rolled-back transaction."""
+async def _explain_claim(conn: Conn, after: outbox.Cursor, *, limit: int = 20) -> dict[str, Any]:
+    """The claim's plan as it ran (EXPLAIN ANALYZE, BUFFERS), in a rolled-back transaction."""
     from sendonce.store.queries import query
 
     positions = sorted(after.items())
     params = {
-        "limit": 20,
+        "limit": limit,
         "lease_seconds": LEASE,
         "worker": "explain",
         "transport_idempotent": True,
@@ -433,9 +432,30 @@ async def _claim_buffers(conn: Conn, after: outbox.Cursor) -> int:
         cursor = await conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query("claim_batch"), params)
         row = await cursor.fetchone()
     assert row is not None
-    scans = _queue_scans(next(iter(row.values()))[0]["Plan"])
+    plan: dict[str, Any] = next(iter(row.values()))[0]["Plan"]
+    return plan
+
+
+async def _claim_buffers(conn: Conn, after: outbox.Cursor) -> int:
+    """Shared buffers the claim's walk of the campaign queue index touches."""
+    scans = [n for n in _nodes(await _explain_claim(conn, after)) if n.get("Index Name") == "deliveries_campaign_queue"]
     assert scans
     return sum(int(scan["Shared Hit Blocks"]) + int(scan["Shared Read Blocks"]) for scan in scans)
+
+
+async def test_a_claim_checks_each_row_once(database_url: str) -> None:
+    # The suppression and membership re-check of a claimed row is used four times by the claim's
+    # UPDATE (status, lease, error, and the answer). Unless its CTE is materialized, PostgreSQL inlines
+    # it and probes suppressions and memberships once per use: four times the work per row.
+    await campaign_setup(database_url, emails(20))
+    await _start_and_build(database_url)
+    async with await connect(database_url) as conn:
+        nodes = _nodes(await _explain_claim(conn, {}, limit=20))
+    probes = {
+        table: sum(int(n["Actual Loops"]) for n in nodes if n.get("Relation Name") == table)
+        for table in ("suppressions", "list_members")
+    }
+    assert probes == {"suppressions": 20, "list_members": 20}, probes
 
 
 async def test_a_claim_starts_after_the_workers_cursor_not_at_the_front(database_url: str) -> None:
