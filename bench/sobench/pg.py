@@ -248,6 +248,9 @@ class Statement:
     calls: int
     total_ms: float
     rows: int
+    wal_bytes: int = 0
+    wal_fpi: int = 0
+    """Full-page images: the first change to a page after a checkpoint writes the whole page to the WAL."""
 
 
 def pgss_reset(url: str) -> None:
@@ -260,10 +263,12 @@ def pgss_read(url: str) -> list[Statement]:
     with psycopg.connect(url, autocommit=True) as conn:
         rows = conn.execute(
             f"""
-            SELECT {MARK} query, calls, total_exec_time + total_plan_time, rows
+            SELECT {MARK} query, calls, total_exec_time + total_plan_time, rows, wal_bytes, wal_fpi
               FROM pg_stat_statements
              WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
                AND query NOT LIKE '%%sobench%%'
              ORDER BY 3 DESC"""
         ).fetchall()
-    return [Statement(" ".join(str(q).split()), int(c), float(t), int(r)) for q, c, t, r in rows]
+    return [
+        Statement(" ".join(str(q).split()), int(c), float(t), int(r), int(wb), int(fpi)) for q, c, t, r, wb, fpi in rows
+    ]

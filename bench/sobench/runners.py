@@ -284,7 +284,7 @@ def run_procrastinate(ctx: Context, workers: int, concurrency: int, n: int) -> R
         "pg_cpu_ms": 1000 * pg_cpu / n if pg_cpu is not None else None,
         "sink_cpu_ms": 1000 * sink_cpu / n,
         "pg_exec_ms": sum(s.total_ms for s in statements) / n if statements else None,
-        "statements": statements[:8],
+        "statements": statements,
         "log_issues": _collect_logs(logs),
         "other_cores": other,
     }
@@ -480,7 +480,7 @@ def run_sendonce(
         "pg_cpu_ms": 1000 * pg_cpu / n if pg_cpu is not None else None,
         "sink_cpu_ms": 1000 * sink_cpu / n,
         "pg_exec_ms": sum(s.total_ms for s in statements) / n if statements else None,
-        "statements": statements[:8],
+        "statements": statements,
         "counts": counts,
         "worker_sent": worker_sent,
         "log_issues": issues,
@@ -491,9 +491,22 @@ def run_sendonce(
 
 
 def statement_table(statements: list[Statement], n: int) -> list[str]:
-    lines = ["| statement | calls | rows | total ms | µs per message |", "| --- | ---: | ---: | ---: | ---: |"]
-    for s in statements:
+    lines = [
+        "| statement | calls | rows | total ms | µs per message | WAL bytes per message "
+        "| full-page images per 1,000 messages |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s in statements[:8]:
         text = s.query if len(s.query) <= 110 else s.query[:107] + "…"
         text = text.replace("|", "\\|")
-        lines.append(f"| `{text}` | {s.calls:,} | {s.rows:,} | {s.total_ms:,.0f} | {1000 * s.total_ms / n:.1f} |")
+        lines.append(
+            f"| `{text}` | {s.calls:,} | {s.rows:,} | {s.total_ms:,.0f} | {1000 * s.total_ms / n:.1f} "
+            f"| {s.wal_bytes / n:,.0f} | {1000 * s.wal_fpi / n:,.0f} |"
+        )
+    total_ms = sum(s.total_ms for s in statements)
+    lines.append(
+        f"| all {len(statements)} statements | {sum(s.calls for s in statements):,} | | {total_ms:,.0f} "
+        f"| {1000 * total_ms / n:.1f} | {sum(s.wal_bytes for s in statements) / n:,.0f} "
+        f"| {1000 * sum(s.wal_fpi for s in statements) / n:,.0f} |"
+    )
     return lines
