@@ -406,6 +406,51 @@ async def test_campaign_finishes_only_when_nothing_is_open(database_url: str) ->
         assert await outbox.finish_campaigns(conn) == []  # CAS: only once
 
 
+async def _buffers(conn: Conn, name: str) -> int:
+    """Shared buffers a named statement touches (EXPLAIN ANALYZE BUFFERS), in a rolled-back transaction."""
+    from sendonce.store.queries import query
+
+    async with conn.transaction(force_rollback=True):
+        cursor = await conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query(name))
+        row = await cursor.fetchone()
+    assert row is not None
+    plan = next(iter(row.values()))[0]["Plan"]
+    return int(plan["Shared Hit Blocks"]) + int(plan["Shared Read Blocks"])
+
+
+async def test_housekeeping_reads_only_open_rows(database_url: str) -> None:
+    # Every housekeeping round of every worker asks whether a campaign is finished, and a draining
+    # worker whether anything is open. Written with status IN ('queued', 'sending'), both walked
+    # every delivery, sent ones included (115 ms a round at 1,000,000 recipients); one condition per
+    # open state is answered by the partial indexes of open rows. Drop either condition of
+    # finish_campaigns and a campaign with a queued (or a leased) row is marked sent.
+    setup = await campaign_setup(database_url, emails(3000))
+    await _start_and_build(database_url)
+    claimed = await _claim_all(database_url, limit=500)
+    now = datetime.now(UTC)
+    queued, leased, done = claimed[0], claimed[1], claimed[2:]
+    async with await connect(database_url) as conn:
+        await outbox.record_sent(conn, [SentRecord(d.account_id, d.delivery_id, d.attempt, None, now) for d in done])
+        assert await outbox.release_claims(conn, [Fenced(queued.account_id, queued.delivery_id, queued.attempt)]) == 1
+        # and the transactional mail of months: sent long ago, never to be looked at again
+        await conn.execute(
+            """INSERT INTO sendonce.deliveries (account_id, job_id, kind, email, email_key, status, sent_at)
+               SELECT %s, 'signup:' || i, 'signup_verification', e, e, 'sent', now()
+                 FROM generate_series(1, 3000) AS i, LATERAL (SELECT 'old' || i || '@example.test' AS e) AS x""",
+            (setup.account_id,),
+        )
+        await conn.execute("VACUUM ANALYZE sendonce.deliveries")  # as autovacuum would, soon
+        finish, open_work = await _buffers(conn, "finish_campaigns"), await _buffers(conn, "open_work")
+        print(f"finish_campaigns: {finish} buffers, open_work: {open_work} buffers, 5,998 rows sent")
+        assert finish < 50 and open_work < 50, (finish, open_work)
+        assert await outbox.finish_campaigns(conn) == []  # one queued, one leased
+        await outbox.record_sent(conn, [SentRecord(leased.account_id, leased.delivery_id, leased.attempt, None, now)])
+        assert await outbox.finish_campaigns(conn) == []  # one queued
+        [again] = await _claim_all(database_url)
+        await outbox.record_sent(conn, [SentRecord(again.account_id, again.delivery_id, again.attempt, None, now)])
+        assert await outbox.finish_campaigns(conn) == [(setup.account_id, setup.campaign_id)]
+
+
 def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     found = [node]
     for child in node.get("Plans", []):

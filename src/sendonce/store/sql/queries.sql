@@ -290,12 +290,16 @@ SELECT (SELECT count(*) FROM span) AS examined,
 
 -- finish_campaigns --
 -- CAS sending -> sent, for campaigns whose list is built and that have no open delivery left.
+-- One NOT EXISTS per open state, each answered by its partial index (the campaign queue; the
+-- leases), which holds only open rows: with "status IN (...)" the planner walked every delivery of
+-- the campaign, sent ones included (115 ms per housekeeping round at 1,000,000 recipients).
 UPDATE sendonce.campaigns c
    SET status = 'sent', finished_at = now(), updated_at = now()
  WHERE c.status = 'sending' AND c.built_at IS NOT NULL
    AND NOT EXISTS (SELECT 1 FROM sendonce.deliveries d
-                    WHERE d.account_id = c.account_id AND d.campaign_id = c.campaign_id
-                      AND d.status IN ('queued', 'sending'))
+                    WHERE d.status = 'queued' AND d.account_id = c.account_id AND d.campaign_id = c.campaign_id)
+   AND NOT EXISTS (SELECT 1 FROM sendonce.deliveries d
+                    WHERE d.status = 'sending' AND d.account_id = c.account_id AND d.campaign_id = c.campaign_id)
 RETURNING account_id, campaign_id;
 
 -- requeue_expired --
@@ -568,8 +572,9 @@ SELECT least(
 -- Whether anything is left for a draining worker: open deliveries that can still be sent (queued
 -- or leased, of transactional mail or of sending campaigns), lists to build, campaigns to finish
 -- or to start.
-SELECT EXISTS (SELECT 1 FROM sendonce.deliveries
-                WHERE status IN ('queued', 'sending') AND campaign_id IS NULL)
+-- (One EXISTS per state: each is answered by a partial index of open rows, not by a walk of the outbox.)
+SELECT EXISTS (SELECT 1 FROM sendonce.deliveries WHERE status = 'queued' AND campaign_id IS NULL)
+    OR EXISTS (SELECT 1 FROM sendonce.deliveries WHERE status = 'sending' AND campaign_id IS NULL)
     OR EXISTS (SELECT 1 FROM sendonce.campaigns c
                 WHERE c.status = 'sending')
     OR EXISTS (SELECT 1 FROM sendonce.campaigns
