@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import NameOID
 
 from sendonce.delivery.compose import Composer, Links
 from sendonce.delivery.transactional import default_composer
@@ -132,3 +139,28 @@ def through_proxy(url: str, port: int) -> str:
     from psycopg.conninfo import make_conninfo
 
     return make_conninfo(url, host="127.0.0.1", port=port)
+
+
+def self_signed_pem(
+    key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey,
+    common_name: str,
+    *,
+    not_before: datetime,
+    not_after: datetime,
+    ip_address: str | None = None,
+) -> bytes:
+    """A self-signed certificate (PEM) for ``key``, valid from ``not_before`` to ``not_after``."""
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+    )
+    if ip_address is not None:
+        san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip_address))])
+        builder = builder.add_extension(san, critical=False)
+    return builder.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)

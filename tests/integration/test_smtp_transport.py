@@ -8,21 +8,19 @@ replies in step with its commands) after every kind of refusal.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import ssl
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from sendonce.domain.message import OutgoingMessage
 from sendonce.testing.inbox import Inbox, InboxFaults
 from sendonce.transports.base import Accepted, Permanent, Retry, Withheld
 from sendonce.transports.smtp import SmtpChannel, SmtpSettings, wire_content
+from tests.helpers import self_signed_pem
 
 MODES = pytest.mark.parametrize("pipelining", [True, False], ids=["pipelined", "one-command-per-round-trip"])
 
@@ -195,21 +193,17 @@ def test_wire_content_makes_canonical_dot_stuffed_data() -> None:
 def _server_tls(tmp_path: Path) -> ssl.SSLContext:
     """A self-signed certificate for 127.0.0.1, made here (the client is told not to verify it)."""
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "inbox.sendonce.test")])
     now = datetime.now(UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - timedelta(days=1))
-        .not_valid_after(now + timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-        .sign(key, hashes.SHA256())
-    )
     cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    cert_file.write_bytes(
+        self_signed_pem(
+            key,
+            "inbox.sendonce.test",
+            not_before=now - timedelta(days=1),
+            not_after=now + timedelta(days=1),
+            ip_address="127.0.0.1",
+        )
+    )
     key_file.write_bytes(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )

@@ -20,10 +20,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
-from cryptography.x509.oid import NameOID
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,6 +34,7 @@ from sendonce.webhooks import (
     WebhookError,
     parse_webhook,
 )
+from tests.helpers import self_signed_pem
 
 NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 TS = str(int(NOW.timestamp()))
@@ -65,18 +64,7 @@ def _rsa_key() -> rsa.RSAPrivateKey:
 
 
 def _certificate(key: rsa.RSAPrivateKey, *, not_before: datetime, not_after: datetime) -> bytes:
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sns.amazonaws.com")])
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(not_after)
-        .sign(key, hashes.SHA256())
-    )
-    return cert.public_bytes(serialization.Encoding.PEM)
+    return self_signed_pem(key, "sns.amazonaws.com", not_before=not_before, not_after=not_after)
 
 
 SNS_KEY = _rsa_key()
