@@ -25,7 +25,7 @@ from tests.helpers import self_signed_pem
 MODES = pytest.mark.parametrize("pipelining", [True, False], ids=["pipelined", "one-command-per-round-trip"])
 
 
-def _message(n: int, text: str = "Hello\n.a line that starts with a dot\n..and two\nbye\n") -> OutgoingMessage:
+def _message(n: int, text: str = "Hello\n.a line that starts with a dot\n..and two\n.\nbye\n") -> OutgoingMessage:
     return OutgoingMessage(
         job_id=f"job-{n}",
         envelope_from="news@example.com",
@@ -59,6 +59,8 @@ async def test_messages_arrive_byte_for_byte(pipelining: bool) -> None:
             await channel.close()
     assert [m.data for m in inbox.messages] == [m.as_bytes() for m in messages]
     assert [m.rcpt_to for m in inbox.messages] == [(m.recipient,) for m in messages]
+    # the body went as it is (7bit): its dots were stuffed on the wire and unstuffed by the server
+    assert all(b"Content-Transfer-Encoding: 7bit" in m.data and b"\r\n.\r\n" in m.data for m in inbox.messages)
     # pipelined: each envelope (MAIL, RCPT, DATA) went out in one write
     assert inbox.pipelined_envelopes == (5 if pipelining else 0)
 
@@ -186,8 +188,9 @@ def test_wire_content_makes_canonical_dot_stuffed_data() -> None:
     assert wire_content(b"a\r\n.b\r\nc") == b"a\r\n..b\r\nc\r\n.\r\n"
     assert wire_content(b".x\n..y\rz\r\n") == b"..x\r\n...y\r\nz\r\n.\r\n"
     assert wire_content(b"") == b"\r\n.\r\n"
-    # as many CRs as LFs, but not in pairs
+    # as many CRs as LFs, but not in pairs; CRs alone
     assert wire_content(b"a\n\rb") == b"a\r\n\r\nb\r\n.\r\n"
+    assert wire_content(b"a\rb\r") == b"a\r\nb\r\n.\r\n"
 
 
 def _server_tls(tmp_path: Path) -> ssl.SSLContext:

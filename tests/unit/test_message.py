@@ -125,3 +125,23 @@ def test_line_ends_are_crlf_whatever_the_template_wrote() -> None:
     data = _message(text="a\rb\r\nc\nd").as_bytes()
     assert _part_encodings(data) == ["7bit"]
     assert data.endswith(b"a\r\nb\r\nc\r\nd")
+
+
+def test_a_body_cannot_forge_parts_with_the_boundary() -> None:
+    # Text from a signup form (a name) or an API payload is ASCII like any other: sent as it is, a line
+    # "--<boundary>" in it would end the text part and start one of its author's choosing.
+    message = _message(html="<p>hello</p>")
+    forged = f"Hi\n--{message.boundary}\nContent-Type: text/html\n\n<a href=https://evil.test>verify</a>\n"
+    message.text = forged
+    data = message.as_bytes()
+    assert _part_encodings(data) == ["quoted-printable", "7bit"]
+    parsed = _parse(data)
+    parts = [p for p in parsed.walk() if not p.is_multipart()]
+    assert [p.get_content_type() for p in parts] == ["text/plain", "text/html"]
+    plain = parsed.get_body(("plain",))
+    assert plain is not None and plain.get_content().replace("\r\n", "\n") == forged
+
+
+def test_a_line_of_exactly_998_characters_goes_as_it_is() -> None:
+    assert _part_encodings(_message(text="x" * 998).as_bytes()) == ["7bit"]
+    assert _part_encodings(_message(text="x" * 999).as_bytes()) == ["quoted-printable"]

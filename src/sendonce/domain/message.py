@@ -51,18 +51,21 @@ _MAX_LINE = 998
 """RFC 5322 2.1.1: a line is at most 998 characters, CRLF excluded."""
 
 
-def _encode_body(text: str) -> tuple[str, str]:
+def _encode_body(text: str, boundary: str) -> tuple[str, str]:
     """(Content-Transfer-Encoding, the body with CRLF line ends) for one text part.
 
     Plain ASCII text with short lines goes as it is (7bit): most newsletters are such text, and
     quoted-printable would cost a pass over every body and grow it (every ``=`` of an HTML attribute
     becomes ``=3D``). Anything else is quoted-printable of its UTF-8 (RFC 2045): non-ASCII text, a
-    line longer than the limit, a NUL, or whitespace at the end of a line (relays may strip it, and
-    the body would no longer match its DKIM signature under simple canonicalization).
+    line longer than the limit, a NUL, whitespace at the end of a line (relays may strip it, and the
+    body would no longer match its DKIM signature under simple canonicalization), or text that holds
+    the multipart boundary: a subscriber's name or a payload could otherwise end the part and add
+    parts of its own. Boundaries begin with ``=_``, which quoted-printable output cannot contain.
     """
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     if (
-        text.isascii()
+        boundary not in text
+        and text.isascii()
         and "\0" not in text
         and " \n" not in text
         and "\t\n" not in text
@@ -94,6 +97,7 @@ class OutgoingMessage:
     headers: list[tuple[str, str]] = field(default_factory=list)
     """Extra headers, in order (Sendonce-Job-Id, List-Unsubscribe, ...)."""
     boundary: str = "=_sendonce_boundary"
+    """Begins with ``=_``: quoted-printable output never contains it."""
     dkim: DkimKey | None = None
     """Sign the message with this key (SMTP; an HTTP provider signs with its own)."""
 
@@ -111,12 +115,12 @@ class OutgoingMessage:
 
     def as_bytes(self) -> bytes:
         """The whole message in RFC 5322 form, CRLF line ends."""
-        encoding, text = _encode_body(self.text)
+        encoding, text = _encode_body(self.text, self.boundary)
         text_part = f'Content-Type: text/plain; charset="utf-8"{CRLF}Content-Transfer-Encoding: {encoding}'
         if self.html is None:
             body = text_part + CRLF + CRLF + text
         else:
-            encoding, html = _encode_body(self.html)
+            encoding, html = _encode_body(self.html, self.boundary)
             html_part = f'Content-Type: text/html; charset="utf-8"{CRLF}Content-Transfer-Encoding: {encoding}'
             b = self.boundary
             body = (
