@@ -18,7 +18,7 @@ EXPECTED = Path(__file__).with_name("expected_schema.txt")
 
 
 def describe_schema(url: str) -> str:
-    """A stable text description of the sendonce schema: tables, columns, constraints, indexes, types."""
+    """A stable text description of the sendonce schema: tables, columns, constraints, indexes, types, functions."""
     lines: list[str] = []
     with psycopg.connect(url) as conn:
         for table, column, data_type, nullable, default in conn.execute(
@@ -48,6 +48,11 @@ def describe_schema(url: str) -> str:
                 WHERE NOT tgisinternal AND tgrelid::regclass::text LIKE 'sendonce.%' ORDER BY 1"""
         ):
             lines.append(f"trigger {name} on {table}")
+        for name, arguments, result, volatility in conn.execute(
+            """SELECT p.proname, pg_get_function_arguments(p.oid), pg_get_function_result(p.oid), p.provolatile
+                 FROM pg_proc p WHERE p.pronamespace = 'sendonce'::regnamespace ORDER BY 1, 2"""
+        ):
+            lines.append(f"function {name}({arguments}) returns {result} volatility={volatility}")
     return "\n".join(lines) + "\n"
 
 

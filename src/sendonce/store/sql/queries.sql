@@ -386,32 +386,21 @@ WITH transactional AS (
                    FOR UPDATE OF d SKIP LOCKED) behind
             LIMIT %(limit)s) r
      LIMIT %(limit)s
-), picked AS (
+), picked AS MATERIALIZED (
+    -- Every row of this claim, locked. MATERIALIZED: it is read twice below, and must be one set.
     SELECT account_id, delivery_id FROM transactional
     UNION ALL
     (SELECT account_id, delivery_id FROM campaign_rows
       LIMIT greatest(%(limit)s - (SELECT count(*) FROM transactional), 0))
 ), checked AS MATERIALIZED (
-    -- Suppressions and opt-outs are re-checked inside the claim, against the latest committed
-    -- state: an opt-out that landed mid-campaign removes the recipient before the network call.
-    -- MATERIALIZED: the UPDATE below uses "blocked" four times, and an inlined CTE would probe
-    -- suppressions and memberships once per use.
-    SELECT d.account_id, d.delivery_id, s.name, s.attributes,
-           (EXISTS (SELECT 1 FROM sendonce.suppressions x
-                     WHERE x.account_id = d.account_id AND x.email_key = d.email_key)
-            OR (d.campaign_id IS NOT NULL AND NOT (
-                    s.status IS NOT DISTINCT FROM 'confirmed'
-                    AND EXISTS (SELECT 1
-                                  FROM sendonce.list_members m
-                                  JOIN sendonce.campaign_lists cl
-                                    ON cl.account_id = m.account_id AND cl.list_id = m.list_id
-                                 WHERE m.account_id = d.account_id AND m.subscriber_id = d.subscriber_id
-                                   AND m.status = 'confirmed' AND cl.campaign_id = d.campaign_id)))
-           ) AS blocked
-      FROM picked p
-      JOIN sendonce.deliveries d ON d.account_id = p.account_id AND d.delivery_id = p.delivery_id
-      LEFT JOIN sendonce.subscribers s
-        ON s.account_id = d.account_id AND s.subscriber_id = d.subscriber_id
+    -- Suppressions and opt-outs are re-checked inside the claim: an opt-out that landed mid-campaign
+    -- removes the recipient before the network call. Not here, in this statement's snapshot, which
+    -- is older than the row locks taken above: claim_check (migration 0006) reads in a snapshot of
+    -- its own, taken after every row of the claim is locked, so it sees every opt-out that committed
+    -- before the claim took the row. Its arguments hold all of "picked": they are computed, and the
+    -- rows locked, before it runs. MATERIALIZED: called once, whatever plan the UPDATE gets.
+    SELECT * FROM sendonce.claim_check(ARRAY(SELECT account_id FROM picked ORDER BY delivery_id),
+                                       ARRAY(SELECT delivery_id FROM picked ORDER BY delivery_id))
 ), claimed AS (
     -- The claim itself: a lease, and a new fencing token (attempt + 1).
     UPDATE sendonce.deliveries d
