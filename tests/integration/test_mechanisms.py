@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+import pytest
 
 from sendonce.domain.addresses import parse_address
 from sendonce.domain.states import SubscriberStatus, SuppressionReason
@@ -274,31 +275,45 @@ async def _backend_xid(conn: Conn, pid: int) -> bool:
     return bool(row and row["has"])
 
 
-async def test_an_opt_out_that_commits_before_the_claim_reaches_its_row_is_honoured(database_url: str) -> None:
+OPT_OUTS = {
+    "suppression": "INSERT INTO sendonce.suppressions (account_id, email_key, email, reason)"
+    " SELECT account_id, email_key, email, 'unsubscribe' FROM sendonce.subscribers WHERE subscriber_id = %s",
+    "list unsubscribe": "UPDATE sendonce.list_members SET status = 'unsubscribed' WHERE subscriber_id = %s",
+    "subscriber unsubscribed": "UPDATE sendonce.subscribers SET status = 'unsubscribed' WHERE subscriber_id = %s",
+}
+
+
+@pytest.mark.parametrize("opt_out", sorted(OPT_OUTS))
+async def test_an_opt_out_that_commits_before_the_claim_reaches_its_row_is_honoured(
+    database_url: str, opt_out: str
+) -> None:
     # A claim statement takes its snapshot when it starts and locks rows as it walks the queue. An
     # opt-out that commits in between (after the snapshot, before the claim reaches the row) is
     # invisible to a check made in the statement's snapshot: the row was claimed for sending,
     # although the opt-out had landed before the row was claimed. The check must read suppressions
-    # and memberships in a snapshot taken after the rows are locked. Seen once in ~30 chaos runs
-    # ("races": a recipient who opted out before the claim got the mail); here made certain by
-    # holding 60,000 rows between the claim's first row and the opted-out one, which the claim
-    # must skip one by one, while the opt-out commits.
+    # and memberships in a snapshot taken after the rows are locked (claim_check). Seen in the chaos
+    # races scenario (a recipient who opted out before the claim got the mail); reproduced here by
+    # holding 60,000 rows between the claim's first row and the campaign recipient who opts out,
+    # which the claim must skip one by one while the opt-out commits.
+    setup = await campaign_setup(database_url, ["last@example.test"])
+    await _start_and_build(database_url)
+    aid = setup.account_id
     async with await connect(database_url) as conn:
-        aid, _ = await make_account(conn)
-        # Transactional rows, in claim order: "first" (priority 0), 60,000 fillers (10), "last" (20).
+        # Claim order: transactional rows first, "first" (priority 0) then 60,000 fillers (10), then
+        # the campaign's only row, "last".
         await conn.execute(
             "INSERT INTO sendonce.deliveries (account_id, job_id, kind, priority, email, email_key)"
             " SELECT %(a)s, 'filler:' || i, 'test', 10, 'f' || i || '@example.test', 'f' || i || '@example.test'"
             "   FROM generate_series(1, 60000) i",
             {"a": aid},
         )
-        for name, priority in (("first", 0), ("last", 20)):
-            email = f"{name}@example.test"
-            await conn.execute(
-                "INSERT INTO sendonce.deliveries (account_id, job_id, kind, priority, email, email_key)"
-                " VALUES (%s, %s, 'test', %s, %s, %s)",
-                (aid, name, priority, email, parse_address(email).key),
-            )
+        await conn.execute(
+            "INSERT INTO sendonce.deliveries (account_id, job_id, kind, priority, email, email_key)"
+            " VALUES (%s, 'first', 'test', 0, 'first@example.test', 'first@example.test')",
+            (aid,),
+        )
+        cursor = await conn.execute("SELECT subscriber_id FROM sendonce.subscribers WHERE account_id = %s", (aid,))
+        [last] = [row["subscriber_id"] for row in await cursor.fetchall()]
         await conn.execute("VACUUM ANALYZE sendonce.deliveries")
     async with (
         await connect(database_url) as holder,
@@ -313,15 +328,27 @@ async def test_an_opt_out_that_commits_before_the_claim_reaches_its_row_is_honou
         # The claim has locked "first" (a row lock gives it a transaction id): its snapshot is taken.
         while not await _backend_xid(opter, claimer.info.backend_pid):
             assert not claim.done()
-        async with opter.transaction():
-            await suppressions.add_suppression(
-                opter, aid, parse_address("last@example.test"), SuppressionReason.UNSUBSCRIBE
-            )
-        # Had the claim ended before the opt-out committed, the interleaving did not happen and the
-        # answer below would prove nothing: say so rather than pass. (It has about 50 ms to spare.)
+        await opter.execute(OPT_OUTS[opt_out], (last,))  # autocommit: committed on return
+        # The claim now has 60,000 locked rows to skip (about 50 ms here) before it reaches "last".
+        # Had it ended already, the opt-out would not have raced it and the answer below would prove
+        # nothing: say so rather than pass.
         assert not claim.done(), "the claim ended before the opt-out committed"
         batch = await claim
     assert {d.email: d.blocked for d in batch} == {"first@example.test": False, "last@example.test": True}
+
+
+async def test_the_claim_refuses_to_run_outside_read_committed(database_url: str) -> None:
+    # claim_check sees opt-outs committed after the claim started only because, in READ COMMITTED,
+    # its query takes a snapshot of its own. In REPEATABLE READ or SERIALIZABLE (a role's or a
+    # database's default_transaction_isolation) it would read the transaction's snapshot, and the
+    # hole above would be back without a sound: the claim fails loudly instead.
+    await campaign_setup(database_url, emails(3))
+    await _start_and_build(database_url)
+    async with await connect(database_url) as conn:
+        await conn.execute("SET default_transaction_isolation = 'repeatable read'")
+        with pytest.raises(psycopg.errors.RaiseException, match="READ COMMITTED"):
+            await outbox.claim_batch(conn, limit=20, lease_seconds=LEASE, worker="w", transport_idempotent=True)
+    assert len(await _claim_all(database_url)) == 3
 
 
 async def test_paused_campaigns_are_not_claimed(database_url: str) -> None:

@@ -10,6 +10,10 @@
 -- snapshot: it reads in a snapshot of its own, taken when it runs. The claim calls it once, with
 -- every row it has locked, after it has locked them all.
 --
+-- Only in READ COMMITTED: in REPEATABLE READ or SERIALIZABLE every query of a transaction reads its
+-- first snapshot, and the check would be as blind as before. A role's or a database's
+-- default_transaction_isolation could bring that about silently, so the function refuses to run.
+--
 -- PL/pgSQL rather than SQL: a SQL function's query is planned again at every call (0.4 ms more per
 -- claim); PL/pgSQL keeps its plan. ROWS 20 (a batch): with the default estimate of 1,000 rows, the
 -- claim's UPDATE read the whole outbox (a hash join) to join the answer.
@@ -18,6 +22,11 @@ RETURNS TABLE (account_id bigint, delivery_id bigint, name text, attributes json
 LANGUAGE plpgsql VOLATILE ROWS 20
 AS $$
 BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'sendonce claims must run in READ COMMITTED, not %', current_setting('transaction_isolation')
+              USING HINT = 'the opt-out check needs a snapshot taken after the claim''s row locks: '
+                           'set default_transaction_isolation to ''read committed'' for the worker''s role';
+    END IF;
     RETURN QUERY
     SELECT d.account_id, d.delivery_id, s.name, s.attributes,
            (EXISTS (SELECT 1 FROM sendonce.suppressions x
