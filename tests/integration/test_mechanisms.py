@@ -10,7 +10,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+import psycopg.sql
 import pytest
+from psycopg.rows import dict_row
 
 from sendonce.domain.addresses import parse_address
 from sendonce.domain.states import SubscriberStatus, SuppressionReason
@@ -337,17 +339,24 @@ async def test_an_opt_out_that_commits_before_the_claim_reaches_its_row_is_honou
     assert {d.email: d.blocked for d in batch} == {"first@example.test": False, "last@example.test": True}
 
 
-async def test_the_claim_refuses_to_run_outside_read_committed(database_url: str) -> None:
+async def test_claims_run_in_read_committed_whatever_the_database_default(database_url: str) -> None:
     # claim_check sees opt-outs committed after the claim started only because, in READ COMMITTED,
-    # its query takes a snapshot of its own. In REPEATABLE READ or SERIALIZABLE (a role's or a
-    # database's default_transaction_isolation) it would read the transaction's snapshot, and the
-    # hole above would be back without a sound: the claim fails loudly instead.
+    # its query takes a snapshot of its own. In REPEATABLE READ or SERIALIZABLE (a database's or a
+    # role's default_transaction_isolation) it would read the transaction's snapshot, and the hole
+    # above would be back without a sound. So sendonce's sessions set READ COMMITTED themselves, and
+    # a claim in any other level fails loudly rather than run blind.
     await campaign_setup(database_url, emails(3))
     await _start_and_build(database_url)
+    name = psycopg.conninfo.conninfo_to_dict(database_url)["dbname"]
     async with await connect(database_url) as conn:
-        await conn.execute("SET default_transaction_isolation = 'repeatable read'")
-        with pytest.raises(psycopg.errors.RaiseException, match="READ COMMITTED"):
-            await outbox.claim_batch(conn, limit=20, lease_seconds=LEASE, worker="w", transport_idempotent=True)
+        await conn.execute(
+            psycopg.sql.SQL("ALTER DATABASE {} SET default_transaction_isolation = 'repeatable read'").format(
+                psycopg.sql.Identifier(str(name))
+            )
+        )
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True, row_factory=dict_row) as plain:
+        with pytest.raises(psycopg.errors.RaiseException, match="READ COMMITTED, not repeatable read"):
+            await outbox.claim_batch(plain, limit=20, lease_seconds=LEASE, worker="w", transport_idempotent=True)
     assert len(await _claim_all(database_url)) == 3
 
 

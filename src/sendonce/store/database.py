@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import psycopg_pool
@@ -38,6 +39,21 @@ def is_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.InterfaceError)
 
 
+# sendonce's SQL is written for READ COMMITTED: a compare-and-set UPDATE re-checks its condition on
+# the row's latest version, and the claim's opt-out check (claim_check, migration 0006) reads in a
+# snapshot taken after the claim's row locks. A database's or role's default of another isolation
+# level would make the first fail with serialization errors and the second blind (it refuses to run
+# then), so every session of sendonce's own sets it back.
+_SESSION_SETUP = b"SET default_transaction_isolation = 'read committed'"
+
+
+async def configure_session(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Make ``conn`` a sendonce session: READ COMMITTED, whatever the server's defaults say."""
+    await conn.execute(_SESSION_SETUP)
+    if not conn.autocommit:
+        await conn.commit()
+
+
 def create_pool(
     url: str, *, min_size: int = 1, max_size: int = 10, name: str = "sendonce"
 ) -> psycopg_pool.AsyncConnectionPool:
@@ -50,9 +66,16 @@ def create_pool(
         open=False,
         timeout=5.0,
         check=psycopg_pool.AsyncConnectionPool.check_connection,
+        configure=configure_session,
         kwargs={"row_factory": dict_row, "autocommit": True},
     )
 
 
 async def connect(url: str, *, autocommit: bool = True) -> Conn:
-    return await psycopg.AsyncConnection.connect(url, autocommit=autocommit, row_factory=dict_row)
+    conn = await psycopg.AsyncConnection.connect(url, autocommit=autocommit, row_factory=dict_row)
+    try:
+        await configure_session(conn)
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
