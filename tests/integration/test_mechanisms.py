@@ -283,20 +283,23 @@ OPT_OUTS = {
     "list unsubscribe": "UPDATE sendonce.list_members SET status = 'unsubscribed' WHERE subscriber_id = %s",
     "subscriber unsubscribed": "UPDATE sendonce.subscribers SET status = 'unsubscribed' WHERE subscriber_id = %s",
 }
+STOPS = {
+    "pause": "UPDATE sendonce.campaigns SET status = 'paused'"
+    " WHERE campaign_id = (SELECT campaign_id FROM sendonce.deliveries WHERE subscriber_id = %s)",
+    "cancel": "UPDATE sendonce.campaigns SET status = 'cancelled'"
+    " WHERE campaign_id = (SELECT campaign_id FROM sendonce.deliveries WHERE subscriber_id = %s)",
+}
 
 
-@pytest.mark.parametrize("opt_out", sorted(OPT_OUTS))
-async def test_an_opt_out_that_commits_before_the_claim_reaches_its_row_is_honoured(
-    database_url: str, opt_out: str
-) -> None:
-    # A claim statement takes its snapshot when it starts and locks rows as it walks the queue. An
-    # opt-out that commits in between (after the snapshot, before the claim reaches the row) is
-    # invisible to a check made in the statement's snapshot: the row was claimed for sending,
-    # although the opt-out had landed before the row was claimed. The check must read suppressions
-    # and memberships in a snapshot taken after the rows are locked (claim_check). Seen in the chaos
-    # races scenario (a recipient who opted out before the claim got the mail); reproduced here by
-    # holding 60,000 rows between the claim's first row and the campaign recipient who opts out,
-    # which the claim must skip one by one while the opt-out commits.
+async def _commit_while_a_claim_walks(database_url: str, statement: str) -> tuple[dict[str, bool], dict[str, Any]]:
+    """Commit ``statement`` (about the campaign's only recipient, "last") after a claim has taken its
+    snapshot and its first row, and before it reaches "last". Returns {email: blocked} of the claim
+    and the row of "last" afterwards.
+
+    A claim statement takes its snapshot when it starts and locks rows as it walks the queue; here
+    60,000 locked rows lie between its first row and "last", which it must skip one by one while the
+    statement commits.
+    """
     setup = await campaign_setup(database_url, ["last@example.test"])
     await _start_and_build(database_url)
     aid = setup.account_id
@@ -320,7 +323,7 @@ async def test_an_opt_out_that_commits_before_the_claim_reaches_its_row_is_honou
     async with (
         await connect(database_url) as holder,
         await connect(database_url) as claimer,
-        await connect(database_url) as opter,
+        await connect(database_url) as other,
         holder.transaction(),
     ):
         await holder.execute("SELECT 1 FROM sendonce.deliveries WHERE priority = 10 FOR UPDATE")
@@ -328,15 +331,46 @@ async def test_an_opt_out_that_commits_before_the_claim_reaches_its_row_is_honou
             outbox.claim_batch(claimer, limit=20, lease_seconds=LEASE, worker="w", transport_idempotent=True)
         )
         # The claim has locked "first" (a row lock gives it a transaction id): its snapshot is taken.
-        while not await _backend_xid(opter, claimer.info.backend_pid):
+        while not await _backend_xid(other, claimer.info.backend_pid):
             assert not claim.done()
-        await opter.execute(OPT_OUTS[opt_out], (last,))  # autocommit: committed on return
+        await other.execute(statement, (last,))  # autocommit: committed on return
         # The claim now has 60,000 locked rows to skip (about 50 ms here) before it reaches "last".
-        # Had it ended already, the opt-out would not have raced it and the answer below would prove
+        # Had it ended already, the statement would not have raced it and the answer would prove
         # nothing: say so rather than pass.
-        assert not claim.done(), "the claim ended before the opt-out committed"
+        assert not claim.done(), "the claim ended before the statement committed"
         batch = await claim
-    assert {d.email: d.blocked for d in batch} == {"first@example.test": False, "last@example.test": True}
+    async with await connect(database_url) as conn:
+        cursor = await conn.execute(
+            "SELECT status::text, attempt FROM sendonce.deliveries WHERE subscriber_id = %s", (last,)
+        )
+        row = await cursor.fetchone()
+    assert row is not None
+    return {d.email: d.blocked for d in batch}, row
+
+
+@pytest.mark.parametrize("opt_out", sorted(OPT_OUTS))
+async def test_an_opt_out_that_commits_before_the_claim_reaches_its_row_is_honoured(
+    database_url: str, opt_out: str
+) -> None:
+    # An opt-out that commits after the claim's snapshot, before the claim reaches the row, is
+    # invisible to a check made in the statement's snapshot: the row was claimed for sending,
+    # although the opt-out had landed before the row was claimed. The check must read suppressions
+    # and memberships in a snapshot taken after the rows are locked (claim_check). Seen in the chaos
+    # races scenario (a recipient who opted out before the claim got the mail).
+    claimed, last = await _commit_while_a_claim_walks(database_url, OPT_OUTS[opt_out])
+    assert claimed == {"first@example.test": False, "last@example.test": True}
+    assert last == {"status": "suppressed", "attempt": 1}
+
+
+@pytest.mark.parametrize("stop", sorted(STOPS))
+async def test_a_pause_that_commits_before_the_claim_reaches_a_row_keeps_it_queued(
+    database_url: str, stop: str
+) -> None:
+    # Likewise a pause or a cancel: made in the statement's snapshot, the campaign still looked
+    # 'sending', and its row was claimed and sent after the pause had been acknowledged.
+    claimed, last = await _commit_while_a_claim_walks(database_url, STOPS[stop])
+    assert claimed == {"first@example.test": False}
+    assert last == {"status": "queued", "attempt": 0}
 
 
 async def test_claims_run_in_read_committed_whatever_the_database_default(database_url: str) -> None:

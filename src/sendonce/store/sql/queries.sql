@@ -394,10 +394,11 @@ WITH transactional AS (
       LIMIT greatest(%(limit)s - (SELECT count(*) FROM transactional), 0))
 ), checked AS MATERIALIZED (
     -- Suppressions and opt-outs are re-checked inside the claim: an opt-out that landed mid-campaign
-    -- removes the recipient before the network call. Not here, in this statement's snapshot, which
-    -- is older than the row locks taken above: claim_check (migration 0006) reads in a snapshot of
-    -- its own, taken after every row of the claim is locked, so it sees every opt-out that committed
-    -- before the claim took the row. Its arguments hold all of "picked": they are computed, and the
+    -- removes the recipient before the network call; and so is the campaign's status: a row of a
+    -- campaign paused or cancelled meanwhile is not claimed. Not here, in this statement's snapshot,
+    -- which is older than the row locks taken above: claim_check (migration 0006) reads in a
+    -- snapshot of its own, taken after every row of the claim is locked, so it sees every opt-out
+    -- and every pause that committed before the claim took the row. Its arguments hold all of "picked": they are computed, and the
     -- rows locked, before it runs. MATERIALIZED: called once, whatever plan the UPDATE gets.
     SELECT * FROM sendonce.claim_check(ARRAY(SELECT account_id FROM picked ORDER BY delivery_id),
                                        ARRAY(SELECT delivery_id FROM picked ORDER BY delivery_id))
@@ -412,7 +413,7 @@ WITH transactional AS (
            last_error = CASE WHEN c.blocked THEN 'suppressed or unsubscribed at claim time' ELSE d.last_error END,
            updated_at = now()
       FROM checked c
-     WHERE d.account_id = c.account_id AND d.delivery_id = c.delivery_id
+     WHERE d.account_id = c.account_id AND d.delivery_id = c.delivery_id AND c.claimable
  RETURNING d.account_id, d.delivery_id, d.job_id, d.kind, d.campaign_id, d.subscriber_id, d.email,
            d.payload, d.attempt, d.failures, d.uncertain, c.blocked, c.name, c.attributes, d.not_before
 ), ledger AS (
