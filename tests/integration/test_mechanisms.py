@@ -17,7 +17,7 @@ from psycopg.rows import dict_row
 from sendonce.domain.addresses import parse_address
 from sendonce.domain.states import SubscriberStatus, SuppressionReason
 from sendonce.store import campaigns, lists, outbox, suppressions
-from sendonce.store.database import Conn, connect
+from sendonce.store.database import Conn, connect, create_pool
 from sendonce.store.outbox import Fenced, SentRecord
 from tests.helpers import add_subscribers, campaign_setup, emails, make_account
 
@@ -392,6 +392,15 @@ async def test_claims_run_in_read_committed_whatever_the_database_default(databa
         with pytest.raises(psycopg.errors.RaiseException, match="READ COMMITTED, not repeatable read"):
             await outbox.claim_batch(plain, limit=20, lease_seconds=LEASE, worker="w", transport_idempotent=True)
     assert len(await _claim_all(database_url)) == 3
+    # The API's pool too (its compare-and-set transitions would fail with serialization errors).
+    pool = create_pool(database_url, min_size=1, max_size=1)
+    await pool.open(wait=True)
+    try:
+        async with pool.connection() as conn:
+            cursor = await conn.execute("SHOW transaction_isolation")
+            assert await cursor.fetchone() == {"transaction_isolation": "read committed"}
+    finally:
+        await pool.close()
 
 
 async def test_paused_campaigns_are_not_claimed(database_url: str) -> None:

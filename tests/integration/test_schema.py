@@ -5,14 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psycopg
+import psycopg.sql
 import pytest
 
 from sendonce.domain.states import CampaignStatus, DeliveryStatus, SubscriberStatus, SuppressionReason
 from sendonce.errors import MigrationError
-from sendonce.store.migrations import available_migrations, upgrade
+from sendonce.store.migrations import ADVISORY_LOCK_KEY, available_migrations, upgrade
 
 EXPECTED = Path(__file__).with_name("expected_schema.txt")
 
@@ -70,6 +73,36 @@ def test_upgrading_twice_changes_nothing(empty_database_url: str) -> None:
     before = describe_schema(empty_database_url)
     assert upgrade(empty_database_url) == []
     assert describe_schema(empty_database_url) == before
+
+
+def test_upgrades_that_wait_for_each_other_apply_each_migration_once_under_repeatable_read(
+    empty_database_url: str,
+) -> None:
+    # With a database default of REPEATABLE READ, an upgrade's snapshot was taken by the statement
+    # that waits for the advisory lock: once it had the lock it could not see what the upgrade before
+    # it had applied, and applied it again ("already exists"). Upgrades run in READ COMMITTED.
+    name = str(psycopg.conninfo.conninfo_to_dict(empty_database_url)["dbname"])
+    with psycopg.connect(empty_database_url, autocommit=True) as admin:
+        admin.execute(
+            psycopg.sql.SQL("ALTER DATABASE {} SET default_transaction_isolation = 'repeatable read'").format(
+                psycopg.sql.Identifier(name)
+            )
+        )
+        with psycopg.connect(empty_database_url) as holder, ThreadPoolExecutor(2) as pool:
+            holder.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK_KEY,))
+            futures = [pool.submit(upgrade, empty_database_url) for _ in range(2)]
+            deadline = time.monotonic() + 30
+            while True:  # both upgrades have taken their first snapshot and wait for the lock
+                row = admin.execute(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                ).fetchone()
+                if row and row[0] == 2:
+                    break
+                assert time.monotonic() < deadline and not any(f.done() for f in futures)
+                time.sleep(0.02)
+            holder.rollback()  # let them go, one after the other
+            applied = sorted(len(f.result(timeout=60)) for f in futures)
+    assert applied == [0, len(available_migrations())]
 
 
 def test_two_upgrades_at_once_apply_each_migration_once(empty_database_url: str) -> None:

@@ -14,6 +14,7 @@ import logging
 import re
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 import psycopg
 
@@ -65,7 +66,16 @@ CREATE TABLE IF NOT EXISTS sendonce_meta.schema_migrations (
 def upgrade(conninfo: str) -> list[Migration]:
     """Bring the schema up to date; returns the migrations applied (empty when it was current)."""
     migrations = available_migrations()
-    with psycopg.connect(conninfo, autocommit=False) as conn, conn.transaction():
+    with psycopg.connect(conninfo, autocommit=False) as conn:
+        # READ COMMITTED whatever the database's default: the statement that waits for the lock takes
+        # the first snapshot, and in REPEATABLE READ the rest would read it too, blind to what the
+        # upgrade before this one applied while this one waited (it would apply it again).
+        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+        return _upgrade(conn, migrations)
+
+
+def _upgrade(conn: psycopg.Connection[tuple[Any, ...]], migrations: list[Migration]) -> list[Migration]:
+    with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK_KEY,))
         exists = conn.execute("SELECT to_regclass('sendonce_meta.schema_migrations') IS NOT NULL").fetchone()
         applied: dict[int, str] = {}

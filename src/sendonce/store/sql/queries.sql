@@ -398,8 +398,9 @@ WITH transactional AS (
     -- campaign paused or cancelled meanwhile is not claimed. Not here, in this statement's snapshot,
     -- which is older than the row locks taken above: claim_check (migration 0006) reads in a
     -- snapshot of its own, taken after every row of the claim is locked, so it sees every opt-out
-    -- and every pause that committed before the claim took the row. Its arguments hold all of "picked": they are computed, and the
-    -- rows locked, before it runs. MATERIALIZED: called once, whatever plan the UPDATE gets.
+    -- and every pause that committed before the claim took the row. Its arguments hold all of
+    -- "picked": they are computed, and the rows locked, before it runs. MATERIALIZED: called once,
+    -- whatever plan the UPDATE gets.
     SELECT * FROM sendonce.claim_check(ARRAY(SELECT account_id FROM picked ORDER BY delivery_id),
                                        ARRAY(SELECT delivery_id FROM picked ORDER BY delivery_id))
 ), claimed AS (
