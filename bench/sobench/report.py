@@ -85,6 +85,7 @@ def chart(
     styles = {
         "bare aiosmtplib loop (limit)": {"linestyle": "--", "marker": "s", "color": "#777777"},
         "bare loop, pipelined (RFC 2920)": {"linestyle": ":", "marker": "D", "color": "#444444"},
+        "lean claim-send-record loop": {"linestyle": "--", "marker": "v", "color": "#15803d"},
         "sendonce": {"linestyle": "-", "marker": "o", "color": "#0a58ca", "linewidth": 2.5},
         "sendonce, approval → last delivery": {"linestyle": "-.", "marker": "o", "color": "#7aa7e8"},
         "procrastinate baseline": {"linestyle": ":", "marker": "^", "color": "#c2410c"},

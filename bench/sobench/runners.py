@@ -1,6 +1,7 @@
 """The three contenders, each measured the same way: a fresh sink, N recipients, every message counted.
 
 * ``run_bare``: the physical limit (K processes of ``sobench.bare`` x C connections);
+* ``run_lean``: a lean claim-send-record loop over one table, pre-rendered bytes (``sobench.lean``);
 * ``run_procrastinate``: one procrastinate job per recipient, K worker processes x concurrency C;
 * ``run_sendonce``: a campaign approved in the database and sent by K ``sendonce worker`` processes.
 """
@@ -168,6 +169,71 @@ def run_bare(ctx: Context, workers: int, concurrency: int, n: int, *, pipelined:
         kind, workers, concurrency, n, seconds, delivered, sink.kind, problems,
         {"size": reports[0]["size"], "client_cpu_ms": 1000 * sum(r["cpu"] for r in reports) / n,
          "sink_cpu_ms": 1000 * sink_cpu / n, "other_cores": other},
+    )  # fmt: skip
+
+
+# -- the lean claim-send-record loop ----------------------------------------------------------------
+
+
+def run_lean(ctx: Context, url: str, workers: int, concurrency: int, n: int, *, wait: bool = False) -> RunResult:
+    """K processes of ``sobench.lean`` x C pipelined connections over one table of ``n`` rows; ``wait``: a
+    connection sends no content while its previous accepted message is unrecorded."""
+    from sobench.lean import fill
+
+    kind = "lean-wait" if wait else "lean"
+    name = f"{kind}-{workers}x{concurrency}"
+    fill(url, n)
+    sink = Sink(ctx.log_dir, ctx.sink_binary, name)
+    procs = [
+        CHILDREN.spawn(
+            [sys.executable, "-m", "sobench.lean", url, str(sink.port), str(concurrency), str(1 + i * 100_000)]
+            + (["wait"] if wait else []),
+            env=ctx.env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            log=ctx.log_dir / f"{name}-{i}.log",
+        )
+        for i in range(workers)
+    ]
+    try:
+        for proc in procs:
+            line = proc.stdout.readline().decode().strip()  # type: ignore[union-attr]
+            if line != "ready":
+                raise RuntimeError(f"lean loop did not start: {line!r} (see {ctx.log_dir / name}-*.log)")
+        sink_cpu0, pg0 = cpu_seconds(sink.proc.pid), ctx.server.cpu_seconds()
+        load = OtherLoad()
+        for proc in procs:
+            proc.stdin.write(b"go\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+        reports = []
+        for proc in procs:
+            reports.append(json.loads(proc.stdout.readline()))  # type: ignore[union-attr]
+            proc.wait(30)
+        sink_cpu = cpu_seconds(sink.proc.pid) - sink_cpu0
+        pg1 = ctx.server.cpu_seconds()
+        pg_cpu = pg1 - pg0 if pg0 is not None and pg1 is not None else None
+        other = load.stop(sink_cpu + sum(r["cpu"] for r in reports) + (pg_cpu or 0.0))
+    finally:
+        CHILDREN.stop_all(procs)
+    delivered = sink.wait_for(n, 5)
+    delivered = max(delivered, sink.stop())
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FILTER (WHERE status = 2), count(*) FROM lean_jobs").fetchone()
+    assert row is not None
+    recorded, rows = int(row[0]), int(row[1])
+    seconds = max(r["end"] for r in reports) - min(r["start"] for r in reports)
+    errors = sum(r["errors"] for r in reports)
+    problems = [f"{errors} send errors"] if errors else []
+    if delivered != n:
+        problems.append(f"the sink counted {delivered} messages, expected {n}")
+    if recorded != rows:
+        problems.append(f"{rows - recorded} of {rows} rows not recorded as sent")
+    claims, records = sum(r["claims"] for r in reports), sum(r["records"] for r in reports)
+    return RunResult(
+        kind, workers, concurrency, n, seconds, delivered, sink.kind, problems,
+        {"size": reports[0]["size"], "client_cpu_ms": 1000 * sum(r["cpu"] for r in reports) / n,
+         "sink_cpu_ms": 1000 * sink_cpu / n, "pg_cpu_ms": None if pg_cpu is None else 1000 * pg_cpu / n,
+         "other_cores": other, "rows_per_record": n / records if records else None, "claims": claims},
     )  # fmt: skip
 
 
