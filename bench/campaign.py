@@ -211,6 +211,7 @@ def draw(path: Path, settings: list[tuple[int, int]], results: list[RunResult], 
         "bare aiosmtplib loop (limit)": {k: r.rate for k, r in _by(results, "bare").items()},
         "bare loop, pipelined (RFC 2920)": {k: r.rate for k, r in _by(results, "bare-pipelined").items()},
         "lean claim-send-record loop": {k: r.rate for k, r in _by(results, "lean").items()},
+        "lean loop, waits for each record": {k: r.rate for k, r in _by(results, "lean-wait").items()},
         "sendonce": {k: r.rate for k, r in _by(results, "sendonce").items()},
         "sendonce, approval → last delivery": {
             k: rate for k, r in _by(results, "sendonce").items() if (rate := _to_last(r)) is not None
