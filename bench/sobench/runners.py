@@ -1,6 +1,6 @@
-"""The three contenders, each measured the same way: a fresh sink, N recipients, every message counted.
+"""The contenders, each measured the same way: a fresh sink, N recipients, every message counted.
 
-* ``run_bare``: the physical limit (K processes of ``sobench.bare`` x C connections);
+* ``run_bare``: the physical limit (K processes of ``sobench.bare`` x C connections), plain or pipelined;
 * ``run_lean``: a lean claim-send-record loop over one table, pre-rendered bytes (``sobench.lean``);
 * ``run_procrastinate``: one procrastinate job per recipient, K worker processes x concurrency C;
 * ``run_sendonce``: a campaign approved in the database and sent by K ``sendonce worker`` processes.
@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import re
+import select
 import subprocess
 import sys
 import time
@@ -53,7 +54,7 @@ class Context:
 @dataclass
 class RunResult:
     kind: str
-    """'bare', 'procrastinate' or 'sendonce'."""
+    """'bare', 'bare-pipelined', 'lean', 'lean-wait', 'procrastinate' or 'sendonce'."""
     workers: int
     concurrency: int
     recipients: int
@@ -108,6 +109,15 @@ def _scan_log(path: Path) -> tuple[Counter[str], list[str]]:
                     examples.append(line.strip()[:300])
                 break
     return counts, examples
+
+
+def _read_line(proc: subprocess.Popen[Any], timeout: float) -> str:
+    """The child's next line of output, or an error after ``timeout`` seconds (a child that hangs)."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise TimeoutError(f"no output after {timeout:.0f}s from {proc.args}")
+    return str(proc.stdout.readline().decode().strip())
 
 
 def _cpu(pids: list[int]) -> float:
@@ -197,7 +207,7 @@ def run_lean(ctx: Context, url: str, workers: int, concurrency: int, n: int, *, 
     ]
     try:
         for proc in procs:
-            line = proc.stdout.readline().decode().strip()  # type: ignore[union-attr]
+            line = _read_line(proc, 60.0)
             if line != "ready":
                 raise RuntimeError(f"lean loop did not start: {line!r} (see {ctx.log_dir / name}-*.log)")
         sink_cpu0, pg0 = cpu_seconds(sink.proc.pid), ctx.server.cpu_seconds()
@@ -207,12 +217,19 @@ def run_lean(ctx: Context, url: str, workers: int, concurrency: int, n: int, *, 
             proc.stdin.flush()  # type: ignore[union-attr]
         reports = []
         for proc in procs:
-            reports.append(json.loads(proc.stdout.readline()))  # type: ignore[union-attr]
-            proc.wait(30)
+            line = _read_line(proc, _timeout(n))
+            if not line.startswith("{"):
+                raise RuntimeError(f"lean loop failed: {line!r} (see {ctx.log_dir / name}-*.log)")
+            reports.append(json.loads(line))
+        # read while the loops' backends are alive: an exiting backend's CPU can be missed
         sink_cpu = cpu_seconds(sink.proc.pid) - sink_cpu0
         pg1 = ctx.server.cpu_seconds()
         pg_cpu = pg1 - pg0 if pg0 is not None and pg1 is not None else None
         other = load.stop(sink_cpu + sum(r["cpu"] for r in reports) + (pg_cpu or 0.0))
+        for proc in procs:
+            proc.stdin.write(b"exit\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+        codes = [proc.wait(30) for proc in procs]
     finally:
         CHILDREN.stop_all(procs)
     delivered = sink.wait_for(n, 5)
@@ -228,6 +245,10 @@ def run_lean(ctx: Context, url: str, workers: int, concurrency: int, n: int, *, 
         problems.append(f"the sink counted {delivered} messages, expected {n}")
     if recorded != rows:
         problems.append(f"{rows - recorded} of {rows} rows not recorded as sent")
+    if (sent := sum(r["sent"] for r in reports)) != n or sum(r["recorded"] for r in reports) != n:
+        problems.append(f"the loops sent {sent} and recorded {sum(r['recorded'] for r in reports)}, expected {n}")
+    if any(codes):
+        problems.append(f"exit codes {codes}")
     claims, records = sum(r["claims"] for r in reports), sum(r["records"] for r in reports)
     return RunResult(
         kind, workers, concurrency, n, seconds, delivered, sink.kind, problems,
