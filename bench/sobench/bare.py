@@ -28,14 +28,18 @@ _POOL = 2000
 """Distinct pre-rendered messages, cycled (the bytes per message are what matters to the wire)."""
 
 
-async def pipelined(port: int, connections: int, count: int, first: int) -> None:
+def pipelined_wire(messages: list[Prerendered]) -> list[tuple[bytes, bytes]]:
+    """(MAIL + RCPT + DATA in one write, the dot-stuffed content) for each message."""
     from sendonce.transports.smtp import wire_content
 
-    messages = [sendonce_message(first + i) for i in range(min(count, _POOL))]
-    wire = [
+    return [
         (f"MAIL FROM:<{m.envelope_from}>\r\nRCPT TO:<{m.recipient}>\r\nDATA\r\n".encode(), wire_content(m.data))
         for m in messages
     ]
+
+
+async def open_lanes(port: int, connections: int) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """``connections`` plain connections to the sink, greeted and past EHLO."""
     lanes = []
     for _ in range(connections):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -43,6 +47,13 @@ async def pipelined(port: int, connections: int, count: int, first: int) -> None
         writer.write(b"EHLO bench.test\r\n")
         assert (await _reply(reader)) == 250
         lanes.append((reader, writer))
+    return lanes
+
+
+async def pipelined(port: int, connections: int, count: int, first: int) -> None:
+    messages = [sendonce_message(first + i) for i in range(min(count, _POOL))]
+    wire = pipelined_wire(messages)
+    lanes = await open_lanes(port, connections)
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     position = 0

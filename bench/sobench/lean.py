@@ -37,7 +37,7 @@ import time
 
 import psycopg
 
-from sobench.bare import _reply
+from sobench.bare import _reply, open_lanes, pipelined_wire
 from sobench.content import sendonce_message
 
 _POOL = 2000
@@ -64,22 +64,11 @@ def fill(url: str, n: int) -> None:
 
 
 async def main(url: str, port: int, connections: int, first: int, wait: bool) -> None:
-    from sendonce.transports.smtp import wire_content
-
     messages = [sendonce_message(first + i) for i in range(_POOL)]
-    wire = [
-        (f"MAIL FROM:<{m.envelope_from}>\r\nRCPT TO:<{m.recipient}>\r\nDATA\r\n".encode(), wire_content(m.data))
-        for m in messages
-    ]
+    wire = pipelined_wire(messages)
     claimer = await psycopg.AsyncConnection.connect(url, autocommit=True)
     recorders = [await psycopg.AsyncConnection.connect(url, autocommit=True) for _ in range(RECORDERS)]
-    lanes = []
-    for _ in range(connections):
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        await _reply(reader)
-        writer.write(b"EHLO bench.test\r\n")
-        assert (await _reply(reader)) == 250
-        lanes.append((reader, writer))
+    lanes = await open_lanes(port, connections)
     print("ready", flush=True)
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, sys.stdin.readline)

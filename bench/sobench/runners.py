@@ -120,6 +120,31 @@ def _read_line(proc: subprocess.Popen[Any], timeout: float) -> str:
     return str(proc.stdout.readline().decode().strip())
 
 
+def _await_ready(procs: list[subprocess.Popen[Any]], what: str) -> None:
+    """Each loop process prints ``ready`` once its connections are open."""
+    for proc in procs:
+        line = _read_line(proc, 60.0)
+        if line != "ready":
+            raise RuntimeError(f"{what} did not start: {line!r}")
+
+
+def _tell(procs: list[subprocess.Popen[Any]], word: str) -> None:
+    for proc in procs:
+        proc.stdin.write(word.encode() + b"\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+
+
+def _reports(procs: list[subprocess.Popen[Any]], timeout: float, what: str) -> list[dict[str, Any]]:
+    """Each loop process's JSON report, the line it prints when it is done."""
+    reports = []
+    for proc in procs:
+        line = _read_line(proc, timeout)
+        if not line.startswith("{"):
+            raise RuntimeError(f"{what} failed: {line!r}")
+        reports.append(json.loads(line))
+    return reports
+
+
 def _cpu(pids: list[int]) -> float:
     return sum(cpu_seconds(pid) for pid in pids)
 
@@ -150,19 +175,14 @@ def run_bare(ctx: Context, workers: int, concurrency: int, n: int, *, pipelined:
             )
         )
         first += share
+    what = f"bare loop (see {ctx.log_dir / name}-*.log)"
     try:
-        for proc in procs:
-            line = proc.stdout.readline().decode().strip()  # type: ignore[union-attr]
-            if line != "ready":
-                raise RuntimeError(f"bare loop did not start: {line!r} (see {ctx.log_dir / name}-*.log)")
+        _await_ready(procs, what)
         sink_cpu0 = cpu_seconds(sink.proc.pid)
         load = OtherLoad()
+        _tell(procs, "go")
+        reports = _reports(procs, _timeout(n), what)
         for proc in procs:
-            proc.stdin.write(b"go\n")  # type: ignore[union-attr]
-            proc.stdin.flush()  # type: ignore[union-attr]
-        reports = []
-        for proc in procs:
-            reports.append(json.loads(proc.stdout.readline()))  # type: ignore[union-attr]
             proc.wait(30)
         sink_cpu = cpu_seconds(sink.proc.pid) - sink_cpu0
         other = load.stop(sink_cpu + sum(r["cpu"] for r in reports))
@@ -205,30 +225,19 @@ def run_lean(ctx: Context, url: str, workers: int, concurrency: int, n: int, *, 
         )
         for i in range(workers)
     ]
+    what = f"lean loop (see {ctx.log_dir / name}-*.log)"
     try:
-        for proc in procs:
-            line = _read_line(proc, 60.0)
-            if line != "ready":
-                raise RuntimeError(f"lean loop did not start: {line!r} (see {ctx.log_dir / name}-*.log)")
+        _await_ready(procs, what)
         sink_cpu0, pg0 = cpu_seconds(sink.proc.pid), ctx.server.cpu_seconds()
         load = OtherLoad()
-        for proc in procs:
-            proc.stdin.write(b"go\n")  # type: ignore[union-attr]
-            proc.stdin.flush()  # type: ignore[union-attr]
-        reports = []
-        for proc in procs:
-            line = _read_line(proc, _timeout(n))
-            if not line.startswith("{"):
-                raise RuntimeError(f"lean loop failed: {line!r} (see {ctx.log_dir / name}-*.log)")
-            reports.append(json.loads(line))
+        _tell(procs, "go")
+        reports = _reports(procs, _timeout(n), what)
         # read while the loops' backends are alive: an exiting backend's CPU can be missed
         sink_cpu = cpu_seconds(sink.proc.pid) - sink_cpu0
         pg1 = ctx.server.cpu_seconds()
         pg_cpu = pg1 - pg0 if pg0 is not None and pg1 is not None else None
         other = load.stop(sink_cpu + sum(r["cpu"] for r in reports) + (pg_cpu or 0.0))
-        for proc in procs:
-            proc.stdin.write(b"exit\n")  # type: ignore[union-attr]
-            proc.stdin.flush()  # type: ignore[union-attr]
+        _tell(procs, "exit")
         codes = [proc.wait(30) for proc in procs]
     finally:
         CHILDREN.stop_all(procs)
