@@ -81,7 +81,7 @@ class CompiledTemplate:
     variables: frozenset[str]
     _template: jinja2.Template | None
     _static: str | None
-    _globals: Mapping[str, Any] = field(default_factory=dict)
+    _globals: dict[str, Any] = field(default_factory=dict)
     """The template's globals, merged into a plain dict once (Jinja merges its ChainMap per render)."""
 
     def render(self, context: Mapping[str, Any]) -> str:
@@ -93,8 +93,13 @@ class CompiledTemplate:
             parts: list[str] = []
             size = 0
             template = self._template
-            # What Template.generate does, minus merging the globals again for every recipient.
-            for part in template.root_render_func(template.new_context({**self._globals, **context}, shared=True)):
+            # What Template.generate does, minus merging the globals again for every recipient (its
+            # new_context walks the ChainMap of the globals to collect their names, once per render).
+            environment = template.environment
+            ctx = environment.context_class(
+                environment, {**self._globals, **context}, template.name, template.blocks, globals=self._globals
+            )
+            for part in template.root_render_func(ctx):
                 size += len(part)
                 if size > MAX_OUTPUT:
                     raise SecurityError(f"the template produces more than {MAX_OUTPUT} characters")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,15 +39,22 @@ class ExpiredToken(InvalidToken):
 
 
 _PROBE = {"probe": [1, "x"], "n": 2**40}
+"""A payload that zlib cannot shorten: itsdangerous's token for it is what the fast path must make."""
+
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+"""itsdangerous's JSON (compact, UTF-8), made once rather than per token."""
 
 
 class _StableSigner:
-    """``URLSafeSerializer.dumps``, byte for byte, at a fraction of its cost per token.
+    """Signs as ``URLSafeSerializer.dumps`` does, at a fraction of its cost per token.
 
-    itsdangerous derives the signing key again for every token and computes its HMAC through the
-    pure-Python path of ``hmac`` (its SHA-1 is a function, not a name). The key is derived once here
-    and the HMAC is computed by OpenSSL in one call. Used only when a probe token agrees with
-    itsdangerous's own; otherwise (another version signs differently) itsdangerous signs every token.
+    itsdangerous tries zlib on every payload (a deflate state of a quarter of a megabyte set up and
+    freed per call), derives the signing key again for every token and computes its HMAC through the
+    pure-Python path of ``hmac``. Here the payload is never compressed, the key is derived once and
+    the HMAC is one OpenSSL call. itsdangerous's ``loads`` reads compressed and uncompressed payloads
+    alike, so every token verifies; and where zlib would not shorten a payload (any id short of ten
+    repeated digits) the token is byte for byte itsdangerous's own. Used only when a probe token
+    agrees with itsdangerous's; otherwise (another version signs differently) itsdangerous signs.
     """
 
     def __init__(self, serializer: URLSafeSerializer) -> None:
@@ -54,16 +62,15 @@ class _StableSigner:
         self._signer: Signer = serializer.make_signer(serializer.salt)
         self._key = self._signer.derive_key()
         self._sep = self._signer.sep
-        self._fast = self._sign_fast(serializer.dump_payload(_PROBE)) == serializer.dumps(_PROBE).encode("ascii")
+        self._fast = self._dumps_fast(_PROBE) == serializer.dumps(_PROBE)
 
-    def _sign_fast(self, value: bytes) -> bytes:
+    def _dumps_fast(self, payload: Any) -> str:
+        value = base64.urlsafe_b64encode(_COMPACT_JSON.encode(payload).encode("utf-8")).rstrip(b"=")
         mac = hmac.digest(self._key, value, "sha1")
-        return value + self._sep + base64.urlsafe_b64encode(mac).rstrip(b"=")
+        return (value + self._sep + base64.urlsafe_b64encode(mac).rstrip(b"=")).decode("ascii")
 
     def dumps(self, payload: Any) -> str:
-        value = self._serializer.dump_payload(payload)
-        signed = self._sign_fast(value) if self._fast else self._signer.sign(value)
-        return signed.decode("ascii")
+        return self._dumps_fast(payload) if self._fast else str(self._serializer.dumps(payload))
 
 
 @dataclass(frozen=True)

@@ -62,15 +62,16 @@ def _encode_body(text: str, boundary: str) -> tuple[str, str]:
     the multipart boundary: a subscriber's name or a payload could otherwise end the part and add
     parts of its own. Boundaries begin with ``=_``, which quoted-printable output cannot contain.
     """
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
     if (
-        boundary not in text
-        and text.isascii()
+        text.isascii()
+        and boundary not in text
         and "\0" not in text
         and " \n" not in text
         and "\t\n" not in text
         and not text.endswith((" ", "\t"))
-        and max(map(len, text.split("\n"))) <= _MAX_LINE
+        and (len(text) <= _MAX_LINE or max(map(len, text.split("\n"))) <= _MAX_LINE)
     ):
         return "7bit", text.replace("\n", CRLF)
     # pure C in binascii
