@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -182,6 +183,118 @@ async def test_a_connection_lost_while_the_gate_holds_the_message_is_a_certain_r
         inbox.stop()
     assert isinstance(outcome, Retry) and not outcome.uncertain, outcome
     assert inbox.messages == []
+
+
+def _follower(messages: list[OutgoingMessage]) -> Callable[[], OutgoingMessage | None]:
+    """A lane's queue, as the worker hands it to the channel: the next message, or None."""
+    queue = list(messages)
+    return lambda: queue.pop(0) if queue else None
+
+
+async def test_the_next_envelope_goes_out_with_the_content_and_each_message_arrives_once() -> None:
+    messages = [_message(n) for n in range(5)]
+    with Inbox() as inbox:
+        channel = _channel(inbox)
+        follow = _follower(messages[1:])
+        try:
+            for message in messages:
+                assert isinstance(await channel.send(message, timeout=5, follow=follow), Accepted)
+        finally:
+            await channel.close()
+    assert [m.data for m in inbox.messages] == [m.as_bytes() for m in messages]
+    assert [m.rcpt_to for m in inbox.messages] == [(m.recipient,) for m in messages]
+    # one write per message after the first: its content, then the next envelope
+    assert inbox.envelopes_behind_content == 4
+    assert inbox.pipelined_envelopes == 5
+
+
+async def test_without_pipelining_the_next_message_is_not_sent_ahead() -> None:
+    messages = [_message(n) for n in range(3)]
+    asked: list[int] = []
+
+    def follow() -> OutgoingMessage | None:
+        asked.append(1)
+        return None
+
+    with Inbox(pipelining=False) as inbox:
+        channel = _channel(inbox)
+        try:
+            for message in messages:
+                assert isinstance(await channel.send(message, timeout=5, follow=follow), Accepted)
+        finally:
+            await channel.close()
+    assert asked == [] and inbox.envelopes_behind_content == 0
+    assert [m.job_id for m in inbox.messages] == ["job-0", "job-1", "job-2"]
+
+
+async def test_a_connection_lost_after_the_content_takes_the_envelope_sent_ahead_with_it() -> None:
+    faults = InboxFaults(drop_after_data=1.0)
+    first, second = _message(1), _message(2)
+    with Inbox(faults=faults) as inbox:
+        channel = _channel(inbox)
+        try:
+            outcome = await channel.send(first, timeout=5, follow=_follower([second]))
+            assert isinstance(outcome, Retry) and outcome.uncertain, outcome
+            faults.drop_after_data = 0.0
+            # its envelope went to a connection that is gone: sent again, on a new one, and only once
+            assert isinstance(await channel.send(second, timeout=5), Accepted)
+        finally:
+            await channel.close()
+    assert [m.job_id for m in inbox.messages] == ["job-1", "job-2"]
+
+
+async def test_a_refused_content_leaves_the_envelope_sent_ahead_in_step() -> None:
+    faults = InboxFaults(temp_fail=1.0, seed=5)
+    messages = [_message(n) for n in range(8)]
+    with Inbox(faults=faults) as inbox:
+        channel = _channel(inbox)
+        follow = _follower(messages[1:])
+        outcomes = []
+        try:
+            for n, message in enumerate(messages):
+                if n == 4:
+                    faults.temp_fail = 0.0
+                outcomes.append(await channel.send(message, timeout=5, follow=follow))
+        finally:
+            await channel.close()
+    # 451 ends the transaction and the connection goes on (the envelope ahead is answered next);
+    # 421 closes it (the envelope ahead is sent again on a new one)
+    assert faults.counts["421"] and faults.counts["temp_fail"] > faults.counts["421"], faults.counts
+    assert all(isinstance(o, Retry) and not o.uncertain for o in outcomes[:4]), outcomes
+    assert all(isinstance(o, Accepted) for o in outcomes[4:]), outcomes
+    assert [m.job_id for m in inbox.messages] == ["job-4", "job-5", "job-6", "job-7"]
+    assert inbox.envelopes_behind_content >= 4
+
+
+async def test_a_message_sent_ahead_and_then_withheld_delivers_nothing() -> None:
+    async def withhold() -> float | None:
+        return None
+
+    first, second, third = _message(1), _message(2), _message(3)
+    with Inbox() as inbox:
+        channel = _channel(inbox)
+        try:
+            assert isinstance(await channel.send(first, timeout=5, follow=_follower([second])), Accepted)
+            assert isinstance(await channel.send(second, timeout=5, gate=withhold), Withheld)
+            assert isinstance(await channel.send(third, timeout=5), Accepted)
+        finally:
+            await channel.close()
+    assert inbox.envelopes_behind_content == 1
+    assert [m.job_id for m in inbox.messages] == ["job-1", "job-3"]
+
+
+async def test_a_send_of_another_message_than_the_one_ahead_ends_that_transaction_first() -> None:
+    first, ahead, other = _message(1), _message(2), _message(3)
+    with Inbox() as inbox:
+        channel = _channel(inbox)
+        try:
+            assert isinstance(await channel.send(first, timeout=5, follow=_follower([ahead])), Accepted)
+            # the lane sends something else: the open transaction (waiting for content) must not get it
+            assert isinstance(await channel.send(other, timeout=5), Accepted)
+        finally:
+            await channel.close()
+    assert [m.job_id for m in inbox.messages] == ["job-1", "job-3"]
+    assert [m.rcpt_to for m in inbox.messages] == [("reader1@example.org",), ("reader3@example.org",)]
 
 
 def test_wire_content_makes_canonical_dot_stuffed_data() -> None:

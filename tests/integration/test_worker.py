@@ -59,6 +59,8 @@ async def test_two_workers_share_a_campaign_and_every_address_gets_it_once(datab
     status, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)
     assert status == "sent"
     assert (counts.total, counts.sent, counts.possible_duplicate) == (400, 400, 0)
+    # a lane with its next row in hand sends that row's envelope with the current content (RFC 2920)
+    assert inbox.envelopes_behind_content > 100
     message = inbox.messages[0].parsed()
     assert message["Sendonce-Job-Id"].startswith(f"campaign:{setup.campaign_id}:")
     assert message["Message-ID"] == f"<{message['Sendonce-Job-Id'].replace(':', '.')}@sender.test>"

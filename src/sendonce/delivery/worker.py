@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 import psycopg
 
 from sendonce.delivery.compose import ComposeError, ComposeLater, Composer, wire_address
+from sendonce.domain.message import OutgoingMessage
 from sendonce.faults import NO_FAULTS, Faults
 from sendonce.notify import post_alert
 from sendonce.store import feedback, outbox, rate_limits
@@ -510,6 +511,31 @@ class Worker:
 
     # -- senders -------------------------------------------------------------------------------
 
+    def _prepare(self, held: Held) -> OutgoingMessage | None:
+        """The message of a row a lane took, or None (its outcome is settled here: not sent)."""
+        if held.revoked:
+            self._held.pop(held.delivery.key, None)
+            return None
+        if self._stopping or held.release:
+            self._push(_Result(held, None))
+            return None
+        if asyncio.get_running_loop().time() >= held.lease_end - self.config.margin:
+            self._past_deadline(held)
+            return None
+        try:
+            message = self.composer.compose(held.delivery)
+        except ComposeLater as exc:
+            held.started = True
+            self._push(_Result(held, Retry(f"cannot compose yet: {exc}")))
+            return None
+        except ComposeError as exc:
+            held.started = True
+            self._push(_Result(held, Permanent(f"cannot compose: {exc}")))
+            return None
+        self.faults.hit("before_send")
+        held.started = True
+        return message
+
     async def _sender(self, channel: Channel) -> None:
         loop = asyncio.get_running_loop()
         config = self.config
@@ -519,32 +545,40 @@ class Worker:
         # message. It may prepare the next one meanwhile (MAIL FROM, RCPT TO, DATA up to its 354): those
         # deliver nothing.
         unrecorded: asyncio.Event | None = None
+        # the lane's next row, taken as its previous content went out (its envelope with that content)
+        following: tuple[Held, OutgoingMessage] | None = None
+
+        def follow() -> OutgoingMessage | None:
+            # Called by the channel right before a content goes out: the next row, if one is queued.
+            nonlocal following
+            while True:
+                try:
+                    held = self._ready.get_nowait()
+                except asyncio.QueueEmpty:
+                    return None
+                self._space.set()
+                if held is None:  # stopping: this lane ends after its current message
+                    self._ready.put_nowait(None)
+                    return None
+                message = self._prepare(held)
+                if message is not None:
+                    following = (held, message)
+                    return message
+
         while True:
-            held = await self._ready.get()
-            self._space.set()
-            if held is None:
-                return
-            if held.revoked:
-                self._held.pop(held.delivery.key, None)
-                continue
-            if self._stopping or held.release:
-                self._push(_Result(held, None))
-                continue
-            if loop.time() >= held.lease_end - config.margin:
-                self._past_deadline(held)
-                continue
-            try:
-                message = self.composer.compose(held.delivery)
-            except ComposeLater as exc:
-                held.started = True
-                self._push(_Result(held, Retry(f"cannot compose yet: {exc}")))
-                continue
-            except ComposeError as exc:
-                held.started = True
-                self._push(_Result(held, Permanent(f"cannot compose: {exc}")))
-                continue
-            self.faults.hit("before_send")
-            held.started = True
+            if following is not None:
+                # taken by follow(): checked and composed then; the gate checks it again before its content
+                (held, message), following = following, None
+            else:
+                next_held = await self._ready.get()
+                self._space.set()
+                if next_held is None:
+                    return
+                held = next_held
+                prepared = self._prepare(held)
+                if prepared is None:
+                    continue
+                message = prepared
 
             async def gate(held: Held = held, previous: asyncio.Event | None = unrecorded) -> float | None:
                 if previous is not None:
@@ -558,7 +592,9 @@ class Worker:
                 return min(config.send_timeout, left - config.margin * 0.2)
 
             budget = min(config.send_timeout, held.lease_end - loop.time() - config.margin * 0.2)
-            outcome = await channel.send(message, timeout=max(budget, 0.1), gate=None if self._idempotent else gate)
+            outcome = await channel.send(
+                message, timeout=max(budget, 0.1), gate=None if self._idempotent else gate, follow=follow
+            )
             if isinstance(outcome, Withheld):
                 if loop.time() >= held.lease_end - config.margin:
                     self._past_deadline(held, count_only=True)

@@ -111,6 +111,10 @@ class _Handler:
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         self.inbox.data_started += 1
+        # the content is read; MAIL already waiting behind its final dot: the next envelope came with it
+        pending = getattr(server._reader, "_buffer", b"")
+        if bytes(pending[:5]).upper() == b"MAIL ":
+            self.inbox.envelopes_behind_content += 1
         faults = self.inbox.faults
         data = envelope.original_content or b""
         if faults.roll(faults.temp_fail):
@@ -168,6 +172,8 @@ class Inbox:
         """Offer PIPELINING (RFC 2920) in the EHLO reply, as Postfix, Exim and the big providers do."""
         self.pipelined_envelopes = 0
         """Envelopes whose MAIL FROM and RCPT TO arrived together (sent pipelined)."""
+        self.envelopes_behind_content = 0
+        """Envelopes that arrived right behind the previous message's content (in the same write)."""
         self._requested_port = port
         self.faults = faults or InboxFaults()
         self._lock = threading.Lock()

@@ -63,16 +63,25 @@ Gate = Callable[[], Awaitable[float | None]]
 """Awaited right before the message's content goes out (SMTP: the content after DATA's 354). Returns
 the seconds left for the rest of the send, or None to withhold the message."""
 
+Follow = Callable[[], OutgoingMessage | None]
+"""Called once, right before a message's content goes out: the lane's next message, if one is ready.
+A pipelining SMTP channel writes that message's envelope (MAIL, RCPT, DATA: it delivers nothing) in
+the same write as the content (RFC 2920), and the lane's next ``send`` must then be for it."""
+
 
 class Channel(ABC):
     """One sending lane (an SMTP connection, an HTTP client slot). Used by one task at a time."""
 
     @abstractmethod
-    async def send(self, message: OutgoingMessage, *, timeout: float, gate: Gate | None = None) -> Outcome:
+    async def send(
+        self, message: OutgoingMessage, *, timeout: float, gate: Gate | None = None, follow: Follow | None = None
+    ) -> Outcome:
         """Send one message; never raises for a transport failure, returns the outcome instead.
 
         ``gate``, if given, is awaited as late as possible before the content goes out, so a caller can
-        prepare the next message while it finishes with the previous one."""
+        prepare the next message while it finishes with the previous one. ``follow``, if given, may be
+        called for the lane's next message (see :data:`Follow`); a channel that does not pipeline
+        ignores it."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the lane's resources."""

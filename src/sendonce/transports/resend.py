@@ -19,6 +19,7 @@ from sendonce.transports.base import (
     Accepted,
     Capabilities,
     Channel,
+    Follow,
     Gate,
     Outcome,
     Permanent,
@@ -114,7 +115,10 @@ class ResendChannel(Channel):
     def __init__(self, transport: ResendTransport) -> None:
         self.transport = transport
 
-    async def send(self, message: OutgoingMessage, *, timeout: float, gate: Gate | None = None) -> Outcome:
+    async def send(
+        self, message: OutgoingMessage, *, timeout: float, gate: Gate | None = None, follow: Follow | None = None
+    ) -> Outcome:
+        # one request per message: nothing to send ahead, ``follow`` is not called
         timeout = min(timeout, self.transport.settings.timeout)  # the URL's ?timeout= caps every request
         if gate is not None:
             left = await gate()

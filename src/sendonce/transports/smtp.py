@@ -13,6 +13,12 @@ back positive and the caller's gate agreed. aiosmtplib cannot read several repli
 protocol keeps one reply and drops data that arrives while that reply waits to be read), so the
 replies of a taken-over connection are read by :class:`_Replies`. ``?pipelining=false`` in the
 transport URL keeps aiosmtplib's one-command-at-a-time exchange for every message.
+
+When the lane already has its next message (``follow``), that message's envelope goes out in the
+same write as the current content (RFC 2920 3.1: the content may begin a group of commands, DATA
+ends one): one write and one exchange per message rather than two. The envelope delivers nothing; its
+replies are read by the next ``send``, which must be for that message, and any failure of the current
+message's exchange closes the connection, and the envelope with it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from sendonce.transports.base import (
     Accepted,
     Capabilities,
     Channel,
+    Follow,
     Gate,
     Outcome,
     Permanent,
@@ -156,9 +163,19 @@ class _Replies(asyncio.Protocol):
 
     async def replies(self, count: int, timeout: float) -> list[SMTPResponse]:
         """The next ``count`` replies, all within ``timeout`` seconds (aiosmtplib's timeout error if not)."""
+        got: list[SMTPResponse] = []
+        while len(got) < count:  # replies already here need no timer (an envelope sent ahead, often)
+            response = self._parse()
+            if response is None:
+                break
+            got.append(response)
+        if len(got) == count:
+            return got
         try:
             async with asyncio.timeout(timeout):
-                return [await self._reply() for _ in range(count)]
+                while len(got) < count:
+                    got.append(await self._reply())
+                return got
         except TimeoutError:
             raise aiosmtplib.SMTPReadTimeoutError(f"no reply from the server within {timeout:g}s") from None
 
@@ -192,6 +209,8 @@ class SmtpChannel(Channel):
         self._8bitmime = False
         self._dirty = False
         self._last_used = 0.0
+        self._ahead: tuple[OutgoingMessage, bytes] | None = None
+        """The lane's next message, and its data, whose envelope went out behind the last content."""
 
     @property
     def pipelined(self) -> bool:
@@ -252,32 +271,82 @@ class SmtpChannel(Channel):
             self._pipe = pipe
         self._dirty = False
 
-    async def send(self, message: OutgoingMessage, *, timeout: float, gate: Gate | None = None) -> Outcome:
+    def _options(self, message: OutgoingMessage, data: bytes) -> tuple[list[str], str] | Permanent:
+        """(MAIL FROM parameters, encoding of the envelope), or why this server cannot take the message."""
+        options: list[str] = []
+        encoding = "ascii"
+        if message.smtputf8:
+            if not self._smtputf8:
+                return Permanent(
+                    f"{message.recipient!r} has a non-ASCII local part and the server does not offer "
+                    "SMTPUTF8 (RFC 6531)"
+                )
+            options.append("SMTPUTF8")
+            encoding = "utf-8"
+        if not message.smtputf8 and self._8bitmime and not data.isascii():
+            options.append("BODY=8BITMIME")
+        return options, encoding
+
+    def _envelope(self, message: OutgoingMessage, data: bytes) -> bytes | Permanent:
+        """MAIL FROM, RCPT TO and DATA, as one pipelined write."""
+        options = self._options(message, data)
+        if isinstance(options, Permanent):
+            return options
+        mail_from, recipient = message.envelope_from, message.recipient
+        if any(c in address for address in (mail_from, recipient) for c in "\r\n<>"):
+            return Permanent(f"an address cannot go in an SMTP command: {mail_from!r} / {recipient!r}")
+        extra = "".join(" " + option for option in options[0])
+        try:
+            return f"MAIL FROM:<{mail_from}>{extra}\r\nRCPT TO:<{recipient}>\r\nDATA\r\n".encode(options[1])
+        except UnicodeEncodeError as exc:
+            return Permanent(f"mail: an address cannot be written in ASCII: {exc}"[:500])
+
+    def _next_ahead(self, follow: Follow | None) -> tuple[OutgoingMessage, bytes, bytes] | None:
+        """The lane's next message, its data and its envelope, if it has one ready to go ahead."""
+        if follow is None:
+            return None
+        try:
+            message = follow()
+            if message is None:
+                return None
+            data = message.as_bytes()
+            envelope = self._envelope(message, data)
+        except Exception:  # the next message's own send will meet (and report) the same problem
+            logger.debug("the next message cannot go ahead", exc_info=True)
+            return None
+        if isinstance(envelope, Permanent):
+            return None
+        return message, data, envelope
+
+    async def send(
+        self, message: OutgoingMessage, *, timeout: float, gate: Gate | None = None, follow: Follow | None = None
+    ) -> Outcome:
         timeout = min(timeout, self.settings.timeout)  # the URL's ?timeout= caps every step
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if ahead[0] is message and self._pipe is not None and self._pipe.is_connected:
+                # its envelope went out behind the previous content: read its replies, go on
+                return await self._send_pipelined(self._pipe, message, ahead[1], None, timeout, gate, follow)
+            # an open transaction this message does not continue: only closing ends it safely
+            await self.close()
         phase = "connect"
         try:
             await self._connection(timeout)
-            options: list[str] = []
-            encoding = "ascii"
-            if message.smtputf8:
-                if not self._smtputf8:
-                    return Permanent(
-                        f"{message.recipient!r} has a non-ASCII local part and the server does not offer "
-                        "SMTPUTF8 (RFC 6531)"
-                    )
-                options.append("SMTPUTF8")
-                encoding = "utf-8"
             data = message.as_bytes()
-            if not message.smtputf8 and self._8bitmime and not data.isascii():
-                options.append("BODY=8BITMIME")
             if self._pipe is not None:
-                return await self._send_pipelined(self._pipe, message, data, options, encoding, timeout, gate)
+                envelope = self._envelope(message, data)
+                if isinstance(envelope, Permanent):
+                    return envelope
+                return await self._send_pipelined(self._pipe, message, data, envelope, timeout, gate, follow)
+            options = self._options(message, data)
+            if isinstance(options, Permanent):
+                return options
             smtp = self._smtp
             assert smtp is not None
             phase = "mail"
-            await smtp.mail(message.envelope_from, options=options, encoding=encoding, timeout=timeout)
+            await smtp.mail(message.envelope_from, options=options[0], encoding=options[1], timeout=timeout)
             phase = "rcpt"
-            await smtp.rcpt(message.recipient, encoding=encoding, timeout=timeout)
+            await smtp.rcpt(message.recipient, encoding=options[1], timeout=timeout)
             if gate is not None:
                 # The envelope is on the server; nothing is delivered until DATA. The caller may hold
                 # the message here (its previous one is being recorded) or withdraw it.
@@ -325,21 +394,17 @@ class SmtpChannel(Channel):
         pipe: _Replies,
         message: OutgoingMessage,
         data: bytes,
-        options: list[str],
-        encoding: str,
+        envelope: bytes | None,
         timeout: float,
         gate: Gate | None,
+        follow: Follow | None,
     ) -> Outcome:
+        """``envelope`` None: it already went out, behind the previous message's content."""
         phase = "mail"
         content_sent = False
         try:
-            mail_from, recipient = message.envelope_from, message.recipient
-            if any(c in address for address in (mail_from, recipient) for c in "\r\n<>"):
-                return Permanent(f"an address cannot go in an SMTP command: {mail_from!r} / {recipient!r}")
-            extra = "".join(" " + option for option in options)
-            envelope = f"MAIL FROM:<{mail_from}>{extra}\r\nRCPT TO:<{recipient}>\r\nDATA\r\n".encode(encoding)
-            content = wire_content(data)
-            pipe.write(envelope)
+            if envelope is not None:
+                pipe.write(envelope)
             mail, rcpt, start = await pipe.replies(3, timeout)
             if start.code == 354 and (mail.code != 250 or rcpt.code not in (250, 251)):
                 # A server must refuse DATA when the envelope failed; one that did not now waits for
@@ -363,8 +428,15 @@ class SmtpChannel(Channel):
             phase = "data"
             if not pipe.is_connected:  # lost while the gate held it: nothing of the content went out
                 raise pipe.lost
+            content = wire_content(data)
+            ahead = self._next_ahead(follow)
             content_sent = True
-            pipe.write(content)
+            if ahead is None:
+                pipe.write(content)
+            else:
+                pipe.write(content + ahead[2])
+                # from here, whatever ends this exchange early closes the connection, and this with it
+                self._ahead = (ahead[0], ahead[1])
             (response,) = await pipe.replies(1, timeout)
             if response.code != 250:
                 return await self._refused("data", response.code, response.message)
@@ -375,8 +447,6 @@ class SmtpChannel(Channel):
             await self.close()
             # Once the content went out the server may have accepted it before we lost the reply.
             return Retry(f"{phase}: {_describe(exc)}", uncertain=content_sent)
-        except UnicodeEncodeError as exc:
-            return Permanent(f"{phase}: an address cannot be written in ASCII: {exc}"[:500])
         except Exception as exc:  # anything else must not take the worker down with it
             logger.exception("unexpected error sending %s", message.job_id)
             await self.close()
@@ -385,6 +455,7 @@ class SmtpChannel(Channel):
         return Accepted(f"{response.code} {response.message}"[:300])
 
     async def close(self) -> None:
+        self._ahead = None
         smtp, self._smtp = self._smtp, None
         pipe, self._pipe = self._pipe, None
         try:
