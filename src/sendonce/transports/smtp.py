@@ -416,6 +416,9 @@ class SmtpChannel(Channel):
             for phase, response, good in (("mail", mail, (250,)), ("rcpt", rcpt, (250, 251)), ("data", start, (354,))):
                 if response.code not in good:
                     return await self._refused(phase, response.code, response.message)
+            # The lane's next message is made now, while the gate below most often waits anyway (for
+            # the previous record), rather than between the gate and this content.
+            ahead = self._next_ahead(follow)
             if gate is not None:
                 # The server waits for the content; nothing is delivered before its final dot. The
                 # caller may hold the message here (its previous one is being recorded) or withdraw it.
@@ -429,7 +432,6 @@ class SmtpChannel(Channel):
             if not pipe.is_connected:  # lost while the gate held it: nothing of the content went out
                 raise pipe.lost
             content = wire_content(data)
-            ahead = self._next_ahead(follow)
             content_sent = True
             if ahead is None:
                 pipe.write(content)
