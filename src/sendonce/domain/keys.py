@@ -52,9 +52,10 @@ class _StableSigner:
     freed per call), derives the signing key again for every token and computes its HMAC through the
     pure-Python path of ``hmac``. Here the payload is never compressed, the key is derived once and
     the HMAC is one OpenSSL call. itsdangerous's ``loads`` reads compressed and uncompressed payloads
-    alike, so every token verifies; and where zlib would not shorten a payload (any id short of ten
-    repeated digits) the token is byte for byte itsdangerous's own. Used only when a probe token
-    agrees with itsdangerous's; otherwise (another version signs differently) itsdangerous signs.
+    alike, so every token verifies; and where zlib would not shorten a payload (ids as they come: none
+    of 100,000 random ones below 10**9; a long run of one digit, 1111111, can) the token is byte for byte
+    itsdangerous's own. Used only when a probe token agrees with itsdangerous's; otherwise (another
+    version signs differently) itsdangerous signs.
     """
 
     def __init__(self, serializer: URLSafeSerializer) -> None:
