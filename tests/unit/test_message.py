@@ -7,6 +7,8 @@ import email.policy
 from email.message import EmailMessage
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sendonce.domain.message import OutgoingMessage, format_address
 
@@ -145,3 +147,12 @@ def test_a_body_cannot_forge_parts_with_the_boundary() -> None:
 def test_a_line_of_exactly_998_characters_goes_as_it_is() -> None:
     assert _part_encodings(_message(text="x" * 998).as_bytes()) == ["7bit"]
     assert _part_encodings(_message(text="x" * 999).as_bytes()) == ["quoted-printable"]
+
+
+@given(st.text(max_size=40), st.sampled_from(["ann@example.test", "a.b+c@sub.example.test"]))
+def test_display_names_are_written_as_formataddr_writes_them(name: str, address: str) -> None:
+    # the fast path for plain names must give formataddr's answer, quotes and escapes included
+    from email.utils import formataddr
+
+    expected = formataddr((name.replace("\r", " ").replace("\n", " "), address), charset="utf-8") if name else address
+    assert format_address(name, address) == expected

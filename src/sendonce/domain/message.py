@@ -10,6 +10,7 @@ standard library's encoders; tests parse the result back with ``email.policy.def
 from __future__ import annotations
 
 import binascii
+import re
 from dataclasses import dataclass, field
 from email.header import Header
 from email.utils import formataddr
@@ -33,6 +34,10 @@ def encode_header_value(value: str, name: str) -> str:
     return Header(cleaned, "utf-8", header_name=name).encode(linesep=CRLF)
 
 
+_SPECIALS = re.compile(r'[][\\()<>@,:;".]')
+"""RFC 5322 specials (as ``email.utils`` has them): a display name with one is quoted."""
+
+
 def format_address(name: str | None, address: str) -> str:
     """``Name <addr>`` with the name quoted or RFC 2047 encoded as needed.
 
@@ -43,6 +48,8 @@ def format_address(name: str | None, address: str) -> str:
         return address
     cleaned = name.replace("\r", " ").replace("\n", " ")
     if address.isascii():
+        if cleaned.isascii() and not _SPECIALS.search(cleaned):
+            return f"{cleaned} <{address}>"  # what formataddr writes for such a name, without its work
         return formataddr((cleaned, address), charset="utf-8")
     return f"{formataddr((cleaned, 'x@x'), charset='utf-8')[: -len('<x@x>')]}<{address}>"
 
