@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from sendonce.delivery.worker import Worker, WorkerConfig
+from sendonce.delivery.worker import Held, Worker, WorkerConfig
 from sendonce.store import campaigns, outbox
 from sendonce.store.database import connect
 from sendonce.testing.inbox import Inbox, InboxFaults
@@ -139,6 +139,31 @@ async def test_pause_stops_sending_and_resume_finishes_exactly_once(database_url
         assert inbox.by_recipient() == dict.fromkeys(addresses, 1)
     _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)
     assert (counts.sent, counts.total, counts.queued, counts.sending) == (120, 120, 0, 0)
+
+
+async def test_a_row_made_ahead_is_not_started_and_a_pause_still_gives_it_back(database_url: str) -> None:
+    # A lane makes its next message while the current one waits at its gate (its envelope may go out
+    # with the current content). Until that row's own send begins, a pause must still reach it.
+    setup = await campaign_setup(database_url, emails(4))
+    assert setup.campaign_id is not None
+    await _prebuild(database_url)
+    c = composer()
+    worker = Worker(database_url, transport_from_url("smtp://127.0.0.1:9"), WorkerConfig(**FAST), composer=c)
+    async with await connect(database_url) as conn:
+        batch = await outbox.claim_batch(
+            conn, limit=2, lease_seconds=30, worker=worker.name, transport_idempotent=False
+        )
+        await c.prepare(conn, batch)
+    loop = asyncio.get_running_loop()
+    ahead = Held(batch[0], lease_end=loop.time() + 30)
+    assert worker._prepare(ahead) is not None
+    assert not ahead.started
+    # the next renewal finds the campaign paused: a row not started is given back, not sent
+    renewal = outbox.Renewal(renewed={ahead.delivery.key: False}, busy={})
+    worker._apply_renewal([ahead], renewal, loop.time() + 30)
+    assert ahead.release
+    assert worker._settled_unsent(ahead)
+    assert [(r.held, r.outcome) for r in worker._results] == [(ahead, None)]
 
 
 async def test_graceful_stop_gives_back_what_was_not_started(database_url: str) -> None:

@@ -7,7 +7,9 @@ One asyncio process runs these tasks, each with its own database connection:
   NOTIFY, the next due time, or the tick;
 * ``--concurrency`` **senders**, each with its own transport lane (an SMTP connection), compose and
   send; a sender never starts a send after its claim's deadline (claim time + lease - margin, by
-  this process's clock), and caps the send's own timeout at the lease's end;
+  this process's clock), and caps the send's own timeout at the lease's end; while one message waits
+  to go out, its sender takes and composes the next queued row, whose envelope a pipelining SMTP lane
+  then sends with the current content (its own content still waits for its own gate);
 * the **recorders** (two connections: one group starts while the previous one is written) write
   outcomes in groups every few milliseconds (one ``UPDATE ... FROM unnest`` per kind of outcome),
   fenced by the attempt each row was claimed with;
@@ -511,30 +513,33 @@ class Worker:
 
     # -- senders -------------------------------------------------------------------------------
 
-    def _prepare(self, held: Held) -> OutgoingMessage | None:
-        """The message of a row a lane took, or None (its outcome is settled here: not sent)."""
+    def _settled_unsent(self, held: Held) -> bool:
+        """True when a row a lane took must not be sent now; its outcome is then settled here."""
         if held.revoked:
             self._held.pop(held.delivery.key, None)
-            return None
+            return True
         if self._stopping or held.release:
             self._push(_Result(held, None))
-            return None
+            return True
         if asyncio.get_running_loop().time() >= held.lease_end - self.config.margin:
             self._past_deadline(held)
+            return True
+        return False
+
+    def _prepare(self, held: Held) -> OutgoingMessage | None:
+        """The message of a row a lane took, or None (its outcome is settled here: not sent). The row
+        is not marked started: until its send begins, a pause still gives it back."""
+        if self._settled_unsent(held):
             return None
         try:
-            message = self.composer.compose(held.delivery)
+            return self.composer.compose(held.delivery)
         except ComposeLater as exc:
             held.started = True
             self._push(_Result(held, Retry(f"cannot compose yet: {exc}")))
-            return None
         except ComposeError as exc:
             held.started = True
             self._push(_Result(held, Permanent(f"cannot compose: {exc}")))
-            return None
-        self.faults.hit("before_send")
-        held.started = True
-        return message
+        return None
 
     async def _sender(self, channel: Channel) -> None:
         loop = asyncio.get_running_loop()
@@ -545,11 +550,12 @@ class Worker:
         # message. It may prepare the next one meanwhile (MAIL FROM, RCPT TO, DATA up to its 354): those
         # deliver nothing.
         unrecorded: asyncio.Event | None = None
-        # the lane's next row, taken as its previous content went out (its envelope with that content)
+        # the lane's next row, taken while its previous message waited to go out (its envelope may
+        # have gone out with that message's content)
         following: tuple[Held, OutgoingMessage] | None = None
 
         def follow() -> OutgoingMessage | None:
-            # Called by the channel right before a content goes out: the next row, if one is queued.
+            # Called by the channel before a content goes out: the next row, if one is queued.
             nonlocal following
             while True:
                 try:
@@ -560,15 +566,25 @@ class Worker:
                 if held is None:  # stopping: this lane ends after its current message
                     self._ready.put_nowait(None)
                     return None
-                message = self._prepare(held)
+                try:
+                    message = self._prepare(held)
+                except Exception as exc:  # the row is out of the queue: settle it, never drop it
+                    logger.exception("preparing %s failed", held.delivery.job_id)
+                    held.started = True
+                    self._push(_Result(held, Retry(f"cannot prepare: {type(exc).__name__}: {exc}"[:500])))
+                    continue
                 if message is not None:
                     following = (held, message)
                     return message
 
         while True:
             if following is not None:
-                # taken by follow(): checked and composed then; the gate checks it again before its content
+                # taken by follow() and composed then; checked again now (a pause, a lost lease or a
+                # stop may have come meanwhile: its envelope, if it went ahead, delivers nothing, and
+                # the channel closes that transaction before its next send)
                 (held, message), following = following, None
+                if self._settled_unsent(held):
+                    continue
             else:
                 next_held = await self._ready.get()
                 self._space.set()
@@ -579,6 +595,8 @@ class Worker:
                 if prepared is None:
                     continue
                 message = prepared
+            self.faults.hit("before_send")
+            held.started = True
 
             async def gate(held: Held = held, previous: asyncio.Event | None = unrecorded) -> float | None:
                 if previous is not None:

@@ -120,7 +120,10 @@ class KeyRing:
 
     def sign_stable(self, purpose: str, payload: dict[str, Any]) -> str:
         """A signed token without a timestamp: the same payload always gives the same token (so a
-        re-sent message is identical), and it never expires (unsubscribe links must keep working)."""
+        re-sent message is identical), and it never expires (unsubscribe links must keep working).
+        One exception, across versions: before tokens stopped being compressed, a payload zlib could
+        shorten (an id that is a long run of one digit) got another token; a message re-sent by the
+        newer version carries the new one. Both verify."""
         signer = self._stable_signers.get(purpose)
         if signer is None:
             signer = self._stable_signers[purpose] = _StableSigner(self._stable(purpose))
