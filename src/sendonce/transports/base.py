@@ -64,9 +64,10 @@ Gate = Callable[[], Awaitable[float | None]]
 the seconds left for the rest of the send, or None to withhold the message."""
 
 Follow = Callable[[], OutgoingMessage | None]
-"""Called once, right before a message's content goes out: the lane's next message, if one is ready.
-A pipelining SMTP channel writes that message's envelope (MAIL, RCPT, DATA: it delivers nothing) in
-the same write as the content (RFC 2920), and the lane's next ``send`` must then be for it."""
+"""Called at most once per send, before the message's gate (the gate often waits): the lane's next
+message, if one is ready. A pipelining SMTP channel writes that message's envelope (MAIL, RCPT, DATA:
+it delivers nothing) in the same write as the content (RFC 2920), and the lane's next ``send`` should
+then be for it; a send of any other message closes the connection first."""
 
 
 class Channel(ABC):
