@@ -271,12 +271,19 @@ class _Pause:
     resumed: float
 
 
+RACES_PACE = 0.03
+"""Seconds each message of the races scenario waits for its 250: a dozen connections then send a few
+hundred a second, so each pause finds the campaign still sending."""
+
+
 def races(ctx: Context, transport: str) -> Result:
     """Two ``sendonce db upgrade`` at once on an empty database; opt-outs during the send (held rows
     by SQL and through the API, and free races); the campaign paused and resumed during the send,
     each time by two API processes at once."""
     o = ctx.options
-    sink = SmtpSink() if transport == "smtp" else ResendSink()
+    # Paced (every answer waits RACES_PACE): an unpaced campaign of a few hundred recipients can
+    # finish between the progress check and the second pause, which then has nothing to pause.
+    sink = SmtpSink(InboxFaults(pace=RACES_PACE)) if transport == "smtp" else ResendSink()
     with Harness("races", transport, ctx, sink) as h:
         codes = _start(h, worker_faults=o.faults, upgrades=o.upgrades)
         with psycopg.connect(h.url) as conn:

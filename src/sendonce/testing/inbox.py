@@ -61,6 +61,9 @@ class InboxFaults:
     slow: float = 0.0
     """Wait ``slow_seconds`` before answering DATA (past the client's timeout), then accept."""
     slow_seconds: float = 5.0
+    pace: float = 0.0
+    """Seconds every answer to DATA waits (not a fault, not counted): slows a campaign down so that a
+    scenario can still act while it is sending."""
     reject: Callable[[str], str | None] | None = None
     """Called with each RCPT address; a returned SMTP reply (``"550 ..."``) rejects it."""
     seed: int | None = None
@@ -126,6 +129,8 @@ class _Handler:
         if faults.roll(faults.slow):
             faults.counts["slow"] += 1
             await asyncio.sleep(faults.slow_seconds)
+        elif faults.pace > 0:
+            await asyncio.sleep(faults.pace)
         self.inbox.record(
             Received(
                 mail_from=str(envelope.mail_from),
