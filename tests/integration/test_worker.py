@@ -192,6 +192,48 @@ async def test_graceful_stop_gives_back_what_was_not_started(database_url: str) 
         assert inbox.by_recipient() == dict.fromkeys(addresses, 1)
 
 
+async def test_a_recorder_that_crashes_stops_the_worker_instead_of_hanging_it(database_url: str) -> None:
+    # A bug while recording (not an outage: that is retried) ends its recorder and stops the worker.
+    # The lane whose next content waits for that record must be let go and send nothing more: else
+    # run() never returns and the housekeeper renews the unrecorded rows' leases for ever.
+    addresses = emails(30)
+    setup = await campaign_setup(database_url, addresses)
+    with Inbox() as inbox:
+        worker = Worker(
+            database_url,
+            transport_from_url(inbox.url),
+            WorkerConfig(concurrency=1, recorders=1, batch_size=10, **FAST),
+            composer=composer(),
+        )
+
+        async def broken_record(conn: object, results: object) -> bool:
+            raise RuntimeError("a bug while recording")
+
+        worker._record = broken_record  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="a bug while recording"):
+            await asyncio.wait_for(worker.run(), 30)
+        delivered = inbox.by_recipient()
+        # one connection: at most one message went out unrecorded, the one the recorder failed on
+        assert sum(delivered.values()) == 1
+        async with await connect(database_url) as conn:
+            rows = await (
+                await conn.execute(
+                    "SELECT status, count(*) AS n FROM sendonce.deliveries WHERE campaign_id = %s GROUP BY status",
+                    (setup.campaign_id,),
+                )
+            ).fetchall()
+        # nothing was recorded: the sent one is re-sent (in the ledger) once its lease runs out
+        assert {row["status"] for row in rows} <= {"queued", "sending"}
+        await run_to_drain(database_url, transport_from_url(inbox.url), WorkerConfig(drain=True, **FAST))
+        assert set(inbox.by_recipient()) == set(addresses)
+        async with await connect(database_url) as conn:
+            ledger = await campaigns.list_possible_duplicates(conn, setup.account_id)
+        # every duplicate is in the ledger (which also names the unstarted rows: their leases ran out too)
+        twice = {job for job, n in inbox.by_job().items() if n > 1}
+        assert len(twice) <= 1
+        assert twice <= {entry["job_id"] for entry in ledger}
+
+
 async def test_a_worker_cut_off_from_the_database_stops_sending_before_its_lease_ends(
     database_url: str,
 ) -> None:

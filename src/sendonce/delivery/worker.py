@@ -247,6 +247,7 @@ class Worker:
         self._stopped = asyncio.Event()
         self._idempotent = transport.capabilities.idempotent
         self._crash: BaseException | None = None
+        self._recorders: list[asyncio.Task[None]] = []
         self._dirty_campaigns: set[tuple[int, int]] = set()
         self._last_check: dict[tuple[int, int], float] = {}
         self._check_interval = 0.2
@@ -281,6 +282,7 @@ class Worker:
         channels = [self.transport.channel() for _ in range(self.config.concurrency)]
         senders = [asyncio.create_task(self._sender(channel), name=f"sender-{i}") for i, channel in enumerate(channels)]
         recorders = [asyncio.create_task(self._recorder(), name=f"recorder-{i}") for i in range(self.config.recorders)]
+        self._recorders = recorders
         background = [
             asyncio.create_task(self._listener(), name="listener"),
             asyncio.create_task(self._housekeeper(), name="housekeeper"),
@@ -320,6 +322,17 @@ class Worker:
         self._crash = task.exception()
         logger.critical("worker task %s crashed", task.get_name(), exc_info=self._crash)
         self.stop()
+        if task in self._recorders and all(recorder.done() for recorder in self._recorders):
+            self._abandon_records()
+
+    def _abandon_records(self) -> None:
+        """No recorder is left: the outcomes still waiting will not be recorded by this process. Their
+        rows stay 'sending' until their leases run out, then go out again (over SMTP, in the ledger:
+        the claim saw them uncertain). The lanes that wait for one of them are let go: stopping, their
+        gates send nothing more, and the worker ends instead of hanging with its leases renewed."""
+        for result in self._results:
+            if result.recorded is not None:
+                result.recorded.set()
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -672,7 +685,13 @@ class Worker:
                     if not self._results:  # another recorder took them meanwhile
                         continue
                 results, self._results = self._results, []
-                ok = await self._with_db(lane, "record", self._record, results)
+                try:
+                    ok = await self._with_db(lane, "record", self._record, results)
+                except BaseException:
+                    # A bug, not an outage: this recorder ends and the worker stops. The group goes
+                    # back, for another recorder or, if none is left, to let its waiting lanes go.
+                    self._results[:0] = results
+                    raise
                 if ok is None:
                     self._results[:0] = results  # keep them, in order, for the next try
                     failures += 1
