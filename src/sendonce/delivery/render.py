@@ -83,12 +83,15 @@ class CompiledTemplate:
     _static: str | None
     _globals: dict[str, Any] = field(default_factory=dict)
     """The template's globals, merged into a plain dict once (Jinja merges its ChainMap per render)."""
+    _loops: bool = True
+    """The template has a loop: a render sets up the iteration budget (a template without one never
+    reads it)."""
 
     def render(self, context: Mapping[str, Any]) -> str:
         if self._static is not None:
             return self._static
         assert self._template is not None
-        token = _BUDGET.set([MAX_ITERATIONS])
+        token = _BUDGET.set([MAX_ITERATIONS]) if self._loops else None
         try:
             parts: list[str] = []
             size = 0
@@ -112,7 +115,8 @@ class CompiledTemplate:
         except Exception as exc:  # a template is user code: any error is a template error
             raise TemplateError(f"the template failed: {type(exc).__name__}: {exc}") from None
         finally:
-            _BUDGET.reset(token)
+            if token is not None:
+                _BUDGET.reset(token)
 
 
 def compile_template(
@@ -138,7 +142,8 @@ def compile_template(
         # No per-recipient input: render once, now.
         once = CompiledTemplate(source, variables, template, None, dict(template.globals))
         return CompiledTemplate(source, variables, None, once.render({}))
-    return CompiledTemplate(source, variables, template, None, dict(template.globals))
+    loops = next(parsed.find_all(nodes.For), None) is not None
+    return CompiledTemplate(source, variables, template, None, dict(template.globals), loops)
 
 
 def html_to_text(html: str) -> str:

@@ -87,8 +87,9 @@ def _describe(exc: BaseException) -> str:
 
 def wire_content(data: bytes) -> bytes:
     """A message as it follows DATA: CRLF line ends, leading dots doubled (RFC 5321 4.5.2), final dot."""
-    # every LF is part of a CRLF, and then there are as many CRs as LFs (the one slow count is the last)
-    if data.count(b"\r") != data.count(b"\n") or data.count(b"\n") != data.count(b"\r\n"):
+    # no bare CR and no bare LF: as many CRLFs as LFs and as CRs
+    lines = data.count(b"\n")
+    if data.count(b"\r\n") != lines or data.count(b"\r") != lines:
         data = _LINE_END.sub(b"\r\n", data)
     if data.startswith(b"."):
         data = b"." + data

@@ -1,6 +1,11 @@
 -- Every runtime query of sendonce, one named block each: "-- name --", a comment saying what it
 -- does, then the statement. Parsed once at import by sendonce.store.queries. Parameters only, never
 -- formatted values.
+--
+-- %(name)b instead of %(name)s: the parameter goes in PostgreSQL's binary format. Used for the arrays
+-- of the statements a worker runs for every group of messages (claim, record, renew, release):
+-- psycopg writes a list of numbers or timestamps in binary several times faster than as text
+-- (a 12-row record_sent: ~80 µs less client CPU per call on the benchmark machine).
 
 -- create_account --
 -- A new account; the API key's secret part is hashed by the caller.
@@ -346,8 +351,8 @@ WITH transactional AS (
        FOR UPDATE SKIP LOCKED
 ), after AS (
     -- Where this worker's previous claim of each campaign ended (its cursor; none: the front).
-    SELECT * FROM unnest(%(after_accounts)s::bigint[], %(after_campaigns)s::bigint[],
-                         %(after_not_befores)s::timestamptz[], %(after_deliveries)s::bigint[])
+    SELECT * FROM unnest(%(after_accounts)b::bigint[], %(after_campaigns)b::bigint[],
+                         %(after_not_befores)b::timestamptz[], %(after_deliveries)b::bigint[])
            AS k(account_id, campaign_id, not_before, delivery_id)
 ), campaign_rows AS (
     -- Then rows of campaigns that are sending; a paused or cancelled campaign's rows are never
@@ -443,7 +448,7 @@ SELECT account_id, delivery_id, job_id, kind, campaign_id, subscriber_id, email,
 -- this worker's: it must not be sent. campaign_active is false when its campaign was paused or
 -- cancelled, so the worker can release what it has not started.
 WITH held AS (
-    SELECT * FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[])
+    SELECT * FROM unnest(%(account_ids)b::bigint[], %(delivery_ids)b::bigint[], %(attempts)b::int[])
            AS u(account_id, delivery_id, attempt)
 ), mine AS (
     SELECT d.account_id, d.delivery_id
@@ -485,8 +490,8 @@ SELECT d.account_id, d.delivery_id, false AS renewed,
 UPDATE sendonce.deliveries d
    SET status = 'sent', sent_at = u.sent_at, transport_message_id = u.message_id,
        lease_expires_at = NULL, uncertain = false, last_error = NULL, updated_at = now()
-  FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[],
-              %(message_ids)s::text[], %(sent_ats)s::timestamptz[])
+  FROM unnest(%(account_ids)b::bigint[], %(delivery_ids)b::bigint[], %(attempts)b::int[],
+              %(message_ids)b::text[], %(sent_ats)b::timestamptz[])
        AS u(account_id, delivery_id, attempt, message_id, sent_at)
  WHERE d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
    AND d.status IN ('sending', 'queued')
@@ -526,7 +531,7 @@ RETURNING d.account_id, d.delivery_id, d.email_key, d.email, d.subscriber_id, d.
 WITH released AS (
     UPDATE sendonce.deliveries d
        SET status = 'queued', lease_expires_at = NULL, updated_at = now()
-      FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[])
+      FROM unnest(%(account_ids)b::bigint[], %(delivery_ids)b::bigint[], %(attempts)b::int[])
            AS u(account_id, delivery_id, attempt)
      WHERE d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
        AND d.status = 'sending'
