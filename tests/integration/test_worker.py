@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -232,6 +233,42 @@ async def test_a_recorder_that_crashes_stops_the_worker_instead_of_hanging_it(da
         twice = {job for job, n in inbox.by_job().items() if n > 1}
         assert len(twice) <= 1
         assert twice <= {entry["job_id"] for entry in ledger}
+
+
+async def test_the_group_of_a_crashed_recorder_is_recorded_by_the_other_one(database_url: str) -> None:
+    addresses = emails(30)
+    setup = await campaign_setup(database_url, addresses)
+    with Inbox() as inbox:
+        worker = Worker(
+            database_url,
+            transport_from_url(inbox.url),
+            WorkerConfig(concurrency=1, recorders=2, batch_size=10, **FAST),
+            composer=composer(),
+        )
+        record = worker._record
+        calls = 0
+
+        async def record_once_broken(conn: Any, results: Any) -> bool:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("a bug while recording")
+            return await record(conn, results)
+
+        worker._record = record_once_broken  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="a bug while recording"):
+            await asyncio.wait_for(worker.run(), 30)
+        async with await connect(database_url) as conn:
+            sent = await (
+                await conn.execute(
+                    "SELECT email FROM sendonce.deliveries WHERE campaign_id = %s AND status = 'sent'",
+                    (setup.campaign_id,),
+                )
+            ).fetchall()
+    # what went out before the worker stopped is recorded, the failed group included
+    delivered = inbox.by_recipient()
+    assert sum(delivered.values()) >= 1
+    assert {row["email"] for row in sent} == set(delivered)
 
 
 async def test_a_worker_cut_off_from_the_database_stops_sending_before_its_lease_ends(

@@ -691,6 +691,7 @@ class Worker:
                     # A bug, not an outage: this recorder ends and the worker stops. The group goes
                     # back, for another recorder or, if none is left, to let its waiting lanes go.
                     self._results[:0] = results
+                    self._record_wanted.set()
                     raise
                 if ok is None:
                     self._results[:0] = results  # keep them, in order, for the next try
