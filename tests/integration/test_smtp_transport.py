@@ -127,6 +127,23 @@ async def test_a_connection_lost_after_the_content_is_uncertain(pipelining: bool
 
 
 @MODES
+async def test_an_answer_to_the_content_that_is_not_a_reply_is_uncertain(pipelining: bool) -> None:
+    # The server took the message, then answered with a line that has no reply code: the client
+    # cannot tell a refusal from an acceptance, so a re-send must go to the possible-duplicate ledger.
+    faults = InboxFaults(garbled_reply=1.0)
+    with Inbox(faults=faults) as inbox:
+        channel = _channel(inbox, pipelining=pipelining)
+        try:
+            outcome = await channel.send(_message(1), timeout=5)
+            assert isinstance(outcome, Retry) and outcome.uncertain, outcome
+            faults.garbled_reply = 0.0
+            assert isinstance(await channel.send(_message(2), timeout=5), Accepted)
+        finally:
+            await channel.close()
+    assert [m.job_id for m in inbox.messages] == ["job-1", "job-2"]
+
+
+@MODES
 async def test_no_answer_in_time_after_the_content_is_uncertain(pipelining: bool) -> None:
     faults = InboxFaults(slow=1.0, slow_seconds=1.0)
     with Inbox(faults=faults) as inbox:

@@ -56,10 +56,14 @@ class InboxFaults:
     drop_after_data: float = 0.0
     """Receive the whole message, record it, then drop the connection before answering 250: the
     client cannot know the message arrived (the ambiguous case)."""
+    garbled_reply: float = 0.0
+    """Receive and record the whole message, then answer with a line that is not an SMTP reply (no
+    code): the client cannot tell whether the message was taken (the ambiguous case)."""
     temp_fail: float = 0.0
     """Answer 451 (or 421 and close, half the time) instead of accepting."""
     slow: float = 0.0
-    """Wait ``slow_seconds`` before answering DATA (past the client's timeout), then accept."""
+    """Receive and record the message, then wait ``slow_seconds`` before answering 250 (past the
+    client's timeout: the client cannot know it arrived)."""
     slow_seconds: float = 5.0
     pace: float = 0.0
     """Seconds every answer to DATA waits (not a fault, not counted): slows a campaign down so that a
@@ -126,10 +130,8 @@ class _Handler:
                 faults.counts["421"] += 1
                 return "421 4.3.2 Service shutting down"
             return "451 4.3.0 Try again later"
-        if faults.roll(faults.slow):
-            faults.counts["slow"] += 1
-            await asyncio.sleep(faults.slow_seconds)
-        elif faults.pace > 0:
+        slow = faults.roll(faults.slow)
+        if not slow and faults.pace > 0:
             await asyncio.sleep(faults.pace)
         self.inbox.record(
             Received(
@@ -143,11 +145,24 @@ class _Handler:
                 or (server.transport is not None and server.transport.get_extra_info("sslcontext") is not None),
             )
         )
+        if slow:
+            # The server has the message and answers late: past the client's timeout, the client
+            # cannot know it arrived (the ambiguous case, like a drop). A client that gives up closes
+            # the connection, which cancels this wait: the message stays received all the same.
+            faults.counts["slow"] += 1
+            self.inbox.slow_waiting += 1
+            try:
+                await asyncio.sleep(faults.slow_seconds)
+            finally:
+                self.inbox.slow_waiting -= 1
         if faults.roll(faults.drop_after_data):
             faults.counts["dropped_after_data"] += 1
             if isinstance(server.transport, asyncio.Transport):
                 server.transport.abort()
         self.inbox.accepted_total += 1
+        if faults.roll(faults.garbled_reply):
+            faults.counts["garbled_reply"] += 1
+            return f"Ok: queued as {self.inbox.accepted_total}"
         return f"250 2.0.0 Ok: queued as {self.inbox.accepted_total}"
 
 
@@ -186,6 +201,8 @@ class Inbox:
         self.accepted_total = 0
         self.data_started = 0
         """Messages whose whole content arrived (before any fault or answer)."""
+        self.slow_waiting = 0
+        """Messages received whose (slow) answer has not been given yet."""
         self._controller: Controller | None = None
 
     def start(self) -> Inbox:

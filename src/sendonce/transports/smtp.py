@@ -359,7 +359,9 @@ class SmtpChannel(Channel):
             phase = "data"
             response = await smtp.data(data, timeout=timeout)
         except aiosmtplib.SMTPResponseException as exc:
-            return await self._refused(phase, exc.code, exc.message)
+            # In the data phase this may be the answer to the content (aiosmtplib does not say which
+            # reply it was): only a real 4xx or 5xx there says the message was not taken.
+            return await self._refused(phase, exc.code, exc.message, content_sent=phase == "data")
         except (TimeoutError, aiosmtplib.SMTPException, OSError) as exc:
             await self.close()
             # Past the start of DATA the server may have accepted the message before we lost it.
@@ -375,8 +377,15 @@ class SmtpChannel(Channel):
         self._last_used = time.monotonic()
         return Accepted(f"{response.code} {response.message}"[:300])
 
-    async def _refused(self, phase: str, code: int, text: str) -> Outcome:
-        """The server answered, and said no: nothing was delivered by this exchange."""
+    async def _refused(self, phase: str, code: int, text: str, *, content_sent: bool = False) -> Outcome:
+        """The server answered, and said no: nothing was delivered by this exchange.
+
+        Unless the content went out and the answer to it is not a 4xx or 5xx: a line that is not a
+        reply at all (code -1), or an odd positive one. The server may have taken the message; the
+        connection is out of step: close it, and a re-send is a possible duplicate (uncertain)."""
+        if content_sent and not 400 <= code < 600:
+            await self.close()
+            return Retry(f"{phase}: unexpected answer to the content: {code} {text}"[:500], uncertain=True)
         self._dirty = True
         if code == 421:  # the server is closing the connection
             await self.close()
@@ -442,7 +451,7 @@ class SmtpChannel(Channel):
                 self._ahead = (ahead[0], ahead[1])
             (response,) = await pipe.replies(1, timeout)
             if response.code != 250:
-                return await self._refused("data", response.code, response.message)
+                return await self._refused("data", response.code, response.message, content_sent=True)
         except aiosmtplib.SMTPResponseException as exc:  # a reply we cannot read
             await self.close()
             return Retry(f"{phase}: {exc.code} {exc.message}"[:500], uncertain=content_sent)
