@@ -16,6 +16,9 @@ import os
 import random
 import signal
 
+DEATH_NOTE = "sendonce fault hook: SIGKILL at "
+"""Written to stderr, followed by the point's name, just before the hook kills the process."""
+
 POINTS = frozenset({"after_claim", "before_send", "after_accept", "after_record", "mid_build", "api_after_commit"})
 
 
@@ -53,6 +56,8 @@ class Faults:
         """Die here, with the configured probability. A dictionary miss when inert."""
         probability = self.probabilities.get(point)
         if probability and self._random.random() < probability:
+            # one unbuffered line first, so whoever watches the process can tell where it died
+            os.write(2, f"{DEATH_NOTE}{point}\n".encode())
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -123,6 +123,7 @@ def test_smtp_faults(smtp_faults: tuple[int, dict[str, Any]]) -> None:
     assert result["lost"] == 0 and result["unrecorded"] == 0
     counts = result["numbers"]["sink_counts"]
     assert counts.get("dropped_after_data", 0) > 0 and counts.get("temp_fail", 0) > 0, counts
+    assert counts.get("slow", 0) > 0 and counts.get("garbled_reply", 0) > 0, counts
 
 
 def test_smtp_client_timeout_is_honoured(smtp_faults: tuple[int, dict[str, Any]]) -> None:
@@ -176,10 +177,8 @@ def test_marking_sent_before_sending_loses_mail(where: list[str], tmp_path: Path
     )
     assert code == 1 and result["verdict"] == "FAIL"
     assert result["lost"] > 0, explain(result)
-    assert (
-        not check(result, "every intended recipient received the campaign")["ok"]
-        or not check(result, "every acknowledged signup received its verification mail")["ok"]
-    )
+    # the campaign's own check, from the inbox: a signup lost alone would not prove it
+    assert not check(result, "every intended recipient received the campaign")["ok"], explain(result)
 
 
 def test_usage_errors_exit_2(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -31,6 +32,7 @@ def view(**overrides: Any) -> DatabaseView:
         "outcomes_audited": 3,
     }
     base["counts"]["possible_duplicate"] = len(overrides.get("ledger", set()))
+    base["ledger_attempts"] = Counter(overrides.get("ledger", set()))  # one re-sent attempt per job
     return DatabaseView(**{**base, **overrides})
 
 
@@ -66,6 +68,17 @@ def test_a_smtp_duplicate_must_be_in_the_ledger_and_within_the_bound() -> None:
     assert broken(ledgered) == [] and (ledgered.recorded, ledgered.unrecorded) == (1, 0)
     too_many = verdict(twice, bound=0, db=view(ledger={"campaign:7:1"}, api_ledger={"campaign:7:1"}))
     assert broken(too_many) == ["SMTP: duplicates within the in-flight bound"]
+
+
+def test_each_extra_smtp_copy_needs_a_ledger_row_of_its_own() -> None:
+    # three copies of one job: two re-sent attempts that may have arrived, so two ledger rows
+    thrice = arrivals(*EVERYONE, EVERYONE[0], EVERYONE[0])
+    once = view(ledger={"campaign:7:1"}, api_ledger={"campaign:7:1"})
+    short = verdict(thrice, db=once)
+    assert (short.recorded, short.unrecorded) == (1, 1)
+    assert "SMTP: every duplicate is in the possible_duplicate ledger" in broken(short)
+    twice = view(ledger={"campaign:7:1"}, api_ledger={"campaign:7:1"}, ledger_attempts=Counter({"campaign:7:1": 2}))
+    assert broken(verdict(thrice, db=twice)) == []
 
 
 def test_an_idempotent_transport_allows_no_duplicate_at_all() -> None:

@@ -28,11 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psycopg
+
 from sendonce.chaos.database import ChaosDatabase, ChaosServer
 from sendonce.chaos.invariants import Check, Expectation, Verdict, judge, read_database, zombie_completions
 from sendonce.chaos.processes import Fleet, Proc, WorkerOptions, wait_healthy, worker_stats
 from sendonce.chaos.sinks import Sink, describe_faults
 from sendonce.chaos.traffic import Api, ApiUnavailable, CampaignSetup, SignupTraffic, approve, setup_campaign
+from sendonce.faults import Faults
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +171,10 @@ class Harness:
         self.expect: Expectation | None = None
         self.faults_injected: dict[str, int] = {}
         self.partitions = 0
+        self.opt_outs_planned = 0
+        """Opt-outs of rows held unclaimed that the scenario planned (each may find no row left)."""
+        self.held_at_kills: list[int | None] = []
+        """Per external kill: the rows its victim still held right after it died (None: unknown)."""
         self.extra_checks: list[Check] = []
         self.worker_faults: str | None = None
         self.api_faults: str | None = None
@@ -338,14 +345,51 @@ class Harness:
         return self.started + self.options.chaos_timeout
 
     def kill_random_worker(self, role: str = "worker") -> Proc | None:
-        live = self.procs.live(role)
-        if not live:
-            return None
-        victim = self.rng.choice(live)
-        self.procs.kill(victim)
+        """SIGKILL one worker that holds claimed rows (waiting up to 1s for one: a replacement still
+        starting holds nothing, and killing it would test nothing), or any live one after that."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            victim = self._pick_victim(role, deadline)
+            if victim is None:
+                return None
+            if self.procs.kill(victim):
+                break
+            self.babysit()  # it died meanwhile (the fault hook): replace it, and pick again
+        # Dead now: what it held cannot change until its leases expire (seconds away). What it sent of
+        # those without recording is in flight; there can be no more of it than it held.
+        holders = self._holders()
+        self.held_at_kills.append(None if holders is None else holders.get(victim.pid, 0))
         if role == "worker":
             self.procs.spawn_worker(self.sink.url(), faults=self.worker_faults)
         return victim
+
+    def _pick_victim(self, role: str, deadline: float) -> Proc | None:
+        while True:
+            live = self.procs.live(role)
+            if not live:
+                return None
+            holders = self._holders()
+            if holders is None:  # the database is away (a restart): any live one
+                return self.rng.choice(live)
+            holding = [p for p in live if holders.get(p.pid, 0) > 0]
+            if holding:
+                return self.rng.choice(holding)
+            if time.monotonic() >= deadline:
+                return self.rng.choice(live)
+            self.babysit()
+            time.sleep(0.01)
+
+    def _holders(self) -> dict[int, int] | None:
+        """Claimed, unrecorded rows per worker pid; None if the database cannot be asked."""
+        try:
+            with psycopg.connect(self.url, connect_timeout=2) as conn:
+                rows = conn.execute(
+                    "SELECT split_part(claimed_by, ':', -2), count(*) FROM sendonce.deliveries "
+                    "WHERE status = 'sending' GROUP BY 1"
+                ).fetchall()
+        except psycopg.Error:
+            return None
+        return {int(pid): int(n) for pid, n in rows if str(pid).isdigit()}
 
     # -- the end ---------------------------------------------------------------------------------
 
@@ -433,6 +477,23 @@ class Harness:
         verdict = judge(self.sink.arrivals(), self.expect, view, idempotent=self.sink.idempotent, zombies=zombies)
         crashes = list(self.procs.crashes)
         verdict.add("no process crashed", not crashes, "; ".join(crashes[:5]))
+        if self.opt_outs_planned:
+            landed = len(self.expect.opted_out_before_claim)
+            verdict.add(
+                "opt-outs before the claim were injected",
+                landed > 0,
+                f"{landed} of {self.opt_outs_planned} found a row nobody had claimed yet",
+            )
+        # The kill that matters most, between "the transport accepted" and "recorded": where the
+        # hook makes about ten or more of them likely, at least one must have happened.
+        expected = Faults(self.worker_faults).probabilities.get("after_accept", 0.0) * self.options.recipients
+        if expected >= 10:
+            n = self.procs.hook_points["after_accept"]
+            verdict.add(
+                "the fault hook killed workers between accepted and recorded",
+                n > 0,
+                f"{n} such kill(s), about {expected:.0f} expected",
+            )
         verdict.checks.extend(self.extra_checks)
         self._fill(verdict)
         return verdict
@@ -461,6 +522,14 @@ class Harness:
             if name not in ("replayed",):
                 injected[name] = n
         r.faults = describe_faults(injected)
+        if fleet.hook_points:
+            r.notes.append("fault hook kills by point: " + describe_faults(fleet.hook_points))
+        if self.held_at_kills:
+            holding = [n for n in self.held_at_kills if n]
+            r.notes.append(
+                f"external kills: {len(holding)} of {len(self.held_at_kills)} victims held claimed rows "
+                f"({sum(holding)} rows in all)"
+            )
         r.numbers.update(
             {
                 "signups": len(self.expect.signups) if self.expect else 0,
@@ -480,12 +549,18 @@ def in_flight_bound(h: Harness, *, extra: int = 0) -> int:
     """SMTP: copies the injected faults can explain; each is at most one message per connection."""
     fleet = h.procs
     c = h.worker_options.concurrency
-    kills = fleet.external_kills + fleet.hook_kills["worker"] + fleet.hook_kills["isolated"]
+    # An external kill: at most one per connection, and never more than its victim held right after
+    # it died. A kill by the fault hook is seen later, when its leases may already have moved on: c.
+    external = sum(c if held is None else min(c, held) for held in h.held_at_kills)
+    external += c * (fleet.external_kills - len(h.held_at_kills))  # kills made other ways, if any
+    hook = fleet.hook_kills["worker"] + fleet.hook_kills["isolated"]
     sink = h.sink.fault_counts()
     return (
-        c * (kills + h.partitions)
+        external
+        + c * (hook + h.partitions)
         + c * h.options.workers * h.result.restarts
         + sink["dropped_after_data"]
         + sink["slow"]
+        + sink["garbled_reply"]
         + extra
     )

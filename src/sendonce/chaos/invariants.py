@@ -56,6 +56,8 @@ class DatabaseView:
     zombies: list[dict[str, Any]]
     """Outcomes recorded by a worker on a row another worker held (the audit trigger)."""
     outcomes_audited: int
+    ledger_attempts: Counter[str] = field(default_factory=Counter)
+    """Ledger rows per job id: one per re-sent attempt."""
     uncertain_suppressed: set[str] = field(default_factory=set)
     """Among the suppressed rows, those an earlier attempt of which may have reached the recipient
     (counted in ``possibly_delivered``): a delivery there is expected, not a mismatch."""
@@ -84,7 +86,10 @@ def read_database(
     url: str, account_id: int, campaign_id: int, api_view: dict[str, Any], api_ledger: set[str]
 ) -> DatabaseView:
     with psycopg.connect(url) as conn:
-        ledger = {str(r[0]) for r in conn.execute("SELECT job_id FROM sendonce.possible_duplicates").fetchall()}
+        ledger_attempts = Counter(
+            str(r[0]) for r in conn.execute("SELECT job_id FROM sendonce.possible_duplicates").fetchall()
+        )
+        ledger = set(ledger_attempts)
         suppressed = {
             str(r[0])
             for r in conn.execute(
@@ -113,6 +118,7 @@ def read_database(
         status=str(api_view["status"]),
         counts={k: int(v) for k, v in (api_view.get("counts") or {}).items()},
         ledger=ledger,
+        ledger_attempts=ledger_attempts,
         api_ledger=api_ledger,
         suppressed_rows=suppressed,
         uncertain_suppressed=uncertain_suppressed,
@@ -230,11 +236,13 @@ def judge(
                 continue
             extra = copies - 1
             jobs = jobs_of[(scope, address)]
-            if len(jobs) == 1 and next(iter(jobs)) in view.ledger:
-                recorded += extra
-            else:
-                unrecorded += extra
-                silent.append(f"{address} x{copies} ({', '.join(sorted(jobs))})")
+            # Each re-send is a new attempt, and each re-send after an attempt that may have arrived
+            # is one ledger row: every extra copy needs a ledger row of its own.
+            covered = view.ledger_attempts[next(iter(jobs))] if len(jobs) == 1 else 0
+            recorded += min(extra, covered)
+            if extra > covered:
+                unrecorded += extra - covered
+                silent.append(f"{address} x{copies} ({', '.join(sorted(jobs))}; {covered} in the ledger)")
     verdict.duplicates, verdict.recorded, verdict.unrecorded = recorded + unrecorded, recorded, unrecorded
     if idempotent:
         verdict.add(

@@ -28,6 +28,7 @@ from typing import IO
 import httpx
 
 from sendonce.chaos.database import clean_env
+from sendonce.faults import DEATH_NOTE
 
 _PR_SET_PDEATHSIG = 1
 
@@ -142,6 +143,8 @@ class Fleet:
     procs: list[Proc] = field(default_factory=list)
     external_kills: int = 0
     hook_kills: Counter[str] = field(default_factory=Counter)
+    hook_points: Counter[str] = field(default_factory=Counter)
+    """Deaths by the fault hook, by the point where it fired (from the note each one leaves)."""
     """Processes that died of SIGKILL the suite did not send (the fault hook), by role."""
     crashes: list[str] = field(default_factory=list)
     _seq: int = 0
@@ -224,15 +227,17 @@ class Fleet:
 
     # -- control ---------------------------------------------------------------------------------
 
-    def kill(self, proc: Proc) -> None:
-        """SIGKILL, as an operator's ``kill -9`` or the OOM killer would."""
-        if proc.alive():
-            proc.killed_by_us = True
-            with contextlib.suppress(ProcessLookupError):
-                proc.popen.send_signal(signal.SIGKILL)
-            proc.popen.wait(timeout=10)
-            if proc.role != "api":
-                self.external_kills += 1
+    def kill(self, proc: Proc) -> bool:
+        """SIGKILL, as an operator's ``kill -9`` or the OOM killer would. False: it was dead already."""
+        if not proc.alive():
+            return False
+        proc.killed_by_us = True
+        with contextlib.suppress(ProcessLookupError):
+            proc.popen.send_signal(signal.SIGKILL)
+        proc.popen.wait(timeout=10)
+        if proc.role != "api":
+            self.external_kills += 1
+        return True
 
     def terminate(self, procs: list[Proc], timeout: float = 30.0) -> None:
         """SIGTERM (graceful), then SIGKILL whatever did not stop in time."""
@@ -244,12 +249,22 @@ class Fleet:
         deadline = time.monotonic() + timeout
         for proc in procs:
             try:
-                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                code = proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.crashes.append(f"{proc.role} pid {proc.pid} did not stop within {timeout:.0f}s of SIGTERM")
                 proc.killed_by_us = True
                 proc.popen.kill()
                 proc.popen.wait(timeout=10)
+                continue
+            # -SIGTERM: it died of the signal before it had set up its handler (still starting up,
+            # nothing claimed); a worker that had started stops gracefully and exits 0.
+            if proc.role in ("worker", "isolated") and code not in (0, -signal.SIGTERM):
+                if code == -signal.SIGKILL and self._hook_death(proc):
+                    self.hook_kills[proc.role] += 1  # the fault hook fired while it wound down
+                else:
+                    self.crashes.append(
+                        f"{proc.role} pid {proc.pid} exited with {code} after SIGTERM: see {proc.log_path}"
+                    )
 
     def reap(self, proc: Proc) -> bool:
         """If ``proc`` died on its own, account for it; True when it has to be replaced."""
@@ -258,6 +273,7 @@ class Fleet:
             return False
         if code == -signal.SIGKILL:
             self.hook_kills[proc.role] += 1
+            self._hook_death(proc)
             proc.killed_by_us = True  # accounted for
             return True
         if code == 0 and proc.role == "drain":
@@ -265,6 +281,12 @@ class Fleet:
         self.crashes.append(f"{proc.role} pid {proc.pid} exited with {code}: see {proc.log_path}")
         proc.stopped_by_us = True
         return True
+
+    def _hook_death(self, proc: Proc) -> bool:
+        """Count where the fault hook killed ``proc`` (the note it left); False if it left none."""
+        notes = re.findall(re.escape(DEATH_NOTE) + r"(\w+)", proc.log_text())
+        self.hook_points[notes[-1] if notes else "unknown"] += 1
+        return bool(notes)
 
     def live(self, role: str) -> list[Proc]:
         return [p for p in self.procs if p.role == role and p.alive()]

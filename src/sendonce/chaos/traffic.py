@@ -278,28 +278,35 @@ class SignupTraffic:
 # -- opt-outs -------------------------------------------------------------------------------------
 
 
-def _lock_queued_row(conn: psycopg.Connection[Any], account_id: int, campaign_id: int, skip: int) -> str | None:
+def _lock_queued_row(
+    conn: psycopg.Connection[Any], account_id: int, campaign_id: int, skip: int, arrived: list[str]
+) -> str | None:
     row = conn.execute(
-        # attempt = 0: never claimed, so no earlier attempt can have reached the recipient already.
+        # No earlier attempt can have reached the recipient: never claimed, given back unsent, or
+        # refused cleanly (NOT uncertain); or re-queued after its worker died without its message in
+        # the inbox (a dead worker sends nothing more, and its row is re-queued only after its lease,
+        # long after anything it had written reached the inbox).
         "SELECT d.email FROM sendonce.deliveries d WHERE d.account_id = %s AND d.campaign_id = %s "
-        "AND d.status = 'queued' AND d.attempt = 0 AND NOT EXISTS (SELECT 1 FROM sendonce.suppressions x "
-        "WHERE x.account_id = d.account_id AND x.email_key = d.email_key) "
+        "AND d.status = 'queued' AND (NOT d.uncertain OR d.job_id <> ALL(%s)) AND NOT EXISTS ("
+        "SELECT 1 FROM sendonce.suppressions x WHERE x.account_id = d.account_id AND x.email_key = d.email_key) "
         "ORDER BY d.delivery_id DESC OFFSET %s LIMIT 1 FOR UPDATE OF d SKIP LOCKED",
-        (account_id, campaign_id, skip),
+        (account_id, campaign_id, arrived, skip),
     ).fetchone()
     return str(row[0]) if row else None
 
 
 def opt_out_before_claim(
-    db_url: str, account_id: int, campaign_id: int, rng: random.Random, *, via_api: Api | None
+    db_url: str, account_id: int, campaign_id: int, depth: int, arrived: list[str], *, via_api: Api | None
 ) -> str | None:
-    """Suppress a recipient whose row is still queued, holding that row so no claim can take it first.
+    """Suppress a recipient whose row is still queued (``depth`` rows from the back of the queue) and
+    whose message is not among ``arrived`` (job ids the sink has), holding that row so no claim can
+    take it first.
 
     The suppression commits (by SQL in the same transaction, or through ``POST /v1/suppressions``
     while the row is held) before the row can be claimed: the recipient must get nothing.
     """
     with psycopg.connect(db_url) as conn, conn.transaction():
-        email = _lock_queued_row(conn, account_id, campaign_id, rng.randrange(0, 20))
+        email = _lock_queued_row(conn, account_id, campaign_id, depth, arrived)
         if email is None:
             return None
         if via_api is None:
