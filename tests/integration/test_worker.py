@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 
-from sendonce.delivery.worker import Held, Worker, WorkerConfig
+from sendonce.delivery.worker import Held, Worker, WorkerConfig, _Result
 from sendonce.store import campaigns, outbox
 from sendonce.store.database import connect
 from sendonce.testing.inbox import Inbox, InboxFaults
 from sendonce.testing.resend_server import ResendFaults, ResendServer
 from sendonce.testing.tcp_proxy import TcpProxy
+from sendonce.transports.base import Accepted
 from sendonce.transports.registry import transport_from_url
 from tests.helpers import (
     campaign_setup,
@@ -165,6 +166,30 @@ async def test_a_row_made_ahead_is_not_started_and_a_pause_still_gives_it_back(d
     assert ahead.release
     assert worker._settled_unsent(ahead)
     assert [(r.held, r.outcome) for r in worker._results] == [(ahead, None)]
+
+
+async def test_a_late_outcome_of_an_old_attempt_leaves_the_new_claim_held(database_url: str) -> None:
+    # The worker lost its lease on a row (an outage), the row was re-queued and this same worker
+    # claimed it again. The old attempt's outcome, recorded late, is refused (fencing), and must not
+    # make the worker forget the new claim: that one is still being sent, and must stay renewed.
+    setup = await campaign_setup(database_url, emails(1))
+    await _prebuild(database_url)
+    worker = Worker(database_url, transport_from_url("smtp://127.0.0.1:9"), WorkerConfig(**FAST), composer=composer())
+    loop = asyncio.get_running_loop()
+    async with await connect(database_url) as conn:
+        claim: dict[str, Any] = {"limit": 1, "lease_seconds": 30, "worker": worker.name, "transport_idempotent": False}
+        [old] = await outbox.claim_batch(conn, **claim)
+        await conn.execute("UPDATE sendonce.deliveries SET lease_expires_at = now() - interval '1 second'")
+        assert len(await outbox.requeue_expired(conn)) == 1
+        [new] = await outbox.claim_batch(conn, **claim)
+        assert (old.key, new.attempt) == (new.key, old.attempt + 1)
+        held = Held(new, lease_end=loop.time() + 30)
+        worker._held[new.key] = held
+        await worker._record(conn, [_Result(Held(old, lease_end=loop.time()), Accepted("250 ok"))])
+    assert worker.stats.fenced_out == 1
+    assert worker._held.get(new.key) is held
+    _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert counts.sending == 1 and counts.sent == 0
 
 
 async def test_graceful_stop_gives_back_what_was_not_started(database_url: str) -> None:

@@ -524,12 +524,19 @@ class Worker:
             self._held[delivery.key] = held
             self._ready.put_nowait(held)
 
+    def _forget(self, held: Held) -> None:
+        """Stop holding this claim. Not by key alone: after its lease ran out, this worker may have
+        claimed the row again (a new attempt), and that claim is still held and must stay renewed."""
+        key = held.delivery.key
+        if self._held.get(key) is held:
+            del self._held[key]
+
     # -- senders -------------------------------------------------------------------------------
 
     def _settled_unsent(self, held: Held) -> bool:
         """True when a row a lane took must not be sent now; its outcome is then settled here."""
         if held.revoked:
-            self._held.pop(held.delivery.key, None)
+            self._forget(held)
             return True
         if self._stopping or held.release:
             self._push(_Result(held, None))
@@ -767,7 +774,7 @@ class Worker:
         self.stats.released += released
         recorded = recorded_sent | recorded_retry | recorded_failed
         for key, result in by_key.items():
-            self._held.pop(key, None)
+            self._forget(result.held)
             d = result.held.delivery
             extra = {"job_id": d.job_id, "attempt": d.attempt}
             outcome = result.outcome
