@@ -614,6 +614,7 @@ async def _explain_claim(conn: Conn, after: outbox.Cursor, *, limit: int = 20) -
         "lease_seconds": LEASE,
         "worker": "explain",
         "transport_idempotent": True,
+        "key_life_seconds": None,
         "after_accounts": [k[0] for k, _ in positions],
         "after_campaigns": [k[1] for k, _ in positions],
         "after_not_befores": [p[0] for _, p in positions],

@@ -192,6 +192,40 @@ async def test_a_late_outcome_of_an_old_attempt_leaves_the_new_claim_held(databa
     assert counts.sending == 1 and counts.sent == 0
 
 
+@pytest.mark.parametrize(("doubt_hours", "provider_forgot"), [(25, True), (1, False)])
+async def test_a_resend_past_the_idempotency_key_life_goes_to_the_ledger(
+    database_url: str, doubt_hours: int, provider_forgot: bool
+) -> None:
+    # An attempt reached the provider but its answer was lost (the row is uncertain), then the row
+    # waited: 25 hours (a campaign paused overnight), past the 24 hours Resend keeps a key, or 1 hour.
+    setup = await campaign_setup(database_url, emails(1))
+    with ResendServer() as provider:
+        transport = transport_from_url(provider.url)
+        await run_to_drain(database_url, transport, WorkerConfig(drain=True, **FAST))
+        async with await connect(database_url) as conn:
+            await conn.execute(
+                "UPDATE sendonce.deliveries SET status = 'queued', uncertain = true, sent_at = NULL, "
+                "uncertain_since = now() - make_interval(hours => %s)",
+                (doubt_hours,),
+            )
+            # its campaign was paused meanwhile, and is resumed now
+            await conn.execute("UPDATE sendonce.campaigns SET status = 'sending', finished_at = NULL")
+        if provider_forgot:
+            provider.forget_keys()
+        await run_to_drain(database_url, transport_from_url(provider.url), WorkerConfig(drain=True, **FAST))
+        copies = max(provider.by_job().values())
+    async with await connect(database_url) as conn:
+        ledger = await campaigns.list_possible_duplicates(conn, setup.account_id)
+    if provider_forgot:
+        # the key was forgotten, so the provider delivered it again: not silent, it is in the ledger
+        assert copies == 2
+        assert [row["reason"] for row in ledger] == ["resend_after_idempotency_key_expired"]
+    else:
+        assert copies == 1 and ledger == []  # within the key's life the provider dropped the re-send
+    _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert counts.sent == 1 and counts.possible_duplicate == len(ledger)
+
+
 async def test_graceful_stop_gives_back_what_was_not_started(database_url: str) -> None:
     addresses = emails(60)
     setup = await campaign_setup(database_url, addresses)

@@ -434,6 +434,7 @@ class Worker:
                         lease_seconds=config.lease,
                         worker=self.name,
                         transport_idempotent=self._idempotent,
+                        key_life=self.transport.capabilities.key_life,
                         after=self._cursor,
                     )
                     if self._cursor_resets != resets:  # reset during this claim: it stays reset

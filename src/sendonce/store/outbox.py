@@ -121,6 +121,11 @@ def _in_key_order(rows: Sequence[T]) -> list[T]:
     return sorted(rows, key=lambda row: (row.account_id, row.delivery_id))
 
 
+KEY_LIFE_MARGIN = 3600.0
+"""Seconds taken off a provider's key life: the doubt is dated when the row was re-queued or its
+failure recorded, up to a lease after the send itself, and the provider's clock is not ours."""
+
+
 async def claim_batch(
     conn: Conn,
     *,
@@ -128,11 +133,14 @@ async def claim_batch(
     lease_seconds: float,
     worker: str,
     transport_idempotent: bool,
+    key_life: float | None = None,
     after: Cursor | None = None,
 ) -> list[ClaimedDelivery]:
     """Claim up to ``limit`` due rows. With ``after`` (the worker's cursor), campaign rows are taken
     after it first, then from the front of the queue if that did not fill the batch; the cursor is
-    moved past what was claimed."""
+    moved past what was claimed. ``key_life``: how long an idempotent transport remembers a key (see
+    :class:`~sendonce.transports.base.Capabilities`); a re-send of a row uncertain for longer than
+    that, less :data:`KEY_LIFE_MARGIN`, is written to the ledger."""
     positions = sorted((after or {}).items())
     result = await conn.execute(
         query("claim_batch"),
@@ -141,6 +149,7 @@ async def claim_batch(
             "lease_seconds": lease_seconds,
             "worker": worker,
             "transport_idempotent": transport_idempotent,
+            "key_life_seconds": None if key_life is None else max(key_life - KEY_LIFE_MARGIN, 0.0),
             "after_accounts": [key[0] for key, _ in positions],
             "after_campaigns": [key[1] for key, _ in positions],
             "after_not_befores": [position[0] for _, position in positions],

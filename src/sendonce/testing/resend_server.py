@@ -193,6 +193,11 @@ class ResendServer:
     def url(self) -> str:
         return f"resend+http://{self.api_key}@127.0.0.1:{self.port}"
 
+    def forget_keys(self) -> None:
+        """The provider's key window has passed: every idempotency key seen so far is new again."""
+        with self._lock:
+            self._keys.clear()
+
     def by_recipient(self) -> Counter[str]:
         with self._lock:
             return Counter(to for email in self.accepted for to in email.to)

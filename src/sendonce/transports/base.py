@@ -19,6 +19,9 @@ class Capabilities:
     name: str
     idempotent: bool
     """The transport drops a second message with the same job id (idempotency key)."""
+    key_life: float | None = None
+    """Seconds the provider remembers a key (None: for ever). A re-send after an uncertain attempt
+    older than that (less a margin) may be delivered twice, and goes to the possible-duplicate ledger."""
 
 
 @dataclass(frozen=True, slots=True)

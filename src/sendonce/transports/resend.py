@@ -63,7 +63,7 @@ def _error_name(response: httpx.Response) -> str:
 
 
 class ResendTransport(Transport):
-    capabilities = Capabilities(name="resend", idempotent=True)
+    capabilities = Capabilities(name="resend", idempotent=True, key_life=24 * 3600.0)
 
     def __init__(self, settings: ResendSettings, *, max_connections: int = 100) -> None:
         self.settings = settings

@@ -329,7 +329,8 @@ WITH expired AS (
        FOR UPDATE SKIP LOCKED
 ), requeued AS (
     UPDATE sendonce.deliveries d
-       SET status = 'queued', uncertain = true, lease_expires_at = NULL, updated_at = now()
+       SET status = 'queued', uncertain = true, uncertain_since = coalesce(d.uncertain_since, now()),
+           lease_expires_at = NULL, updated_at = now()
       FROM expired e
      WHERE d.account_id = e.account_id AND d.delivery_id = e.delivery_id
     RETURNING d.account_id, d.delivery_id, d.job_id, d.attempt, d.claimed_by
@@ -421,16 +422,23 @@ WITH transactional AS (
       FROM checked c
      WHERE d.account_id = c.account_id AND d.delivery_id = c.delivery_id AND c.claimable
  RETURNING d.account_id, d.delivery_id, d.job_id, d.kind, d.campaign_id, d.subscriber_id, d.email,
-           d.payload, d.attempt, d.failures, d.uncertain, c.blocked, c.name, c.attributes, d.not_before
+           d.payload, d.attempt, d.failures, d.uncertain, d.uncertain_since, c.blocked, c.name, c.attributes,
+           d.not_before
 ), ledger AS (
     -- A re-send of an attempt that may have reached the recipient, through a transport without
-    -- idempotency keys: written down now, before the network call, so it is never silent.
+    -- idempotency keys, or through one whose key the provider may have forgotten by now (the doubt
+    -- began longer ago than %(key_life_seconds)s, the key's life less a margin; NULL: keys never
+    -- expire): written down now, before the network call, so it is never silent.
     -- 'uncertain' stays set until a send succeeds: after a clean rejection of the re-send, the next
     -- try is still a possible duplicate of the first.
     INSERT INTO sendonce.possible_duplicates (account_id, delivery_id, attempt, job_id, campaign_id, reason)
-    SELECT account_id, delivery_id, attempt, job_id, campaign_id, 'resend_after_uncertain_attempt'
+    SELECT account_id, delivery_id, attempt, job_id, campaign_id,
+           CASE WHEN %(transport_idempotent)s THEN 'resend_after_idempotency_key_expired'
+                ELSE 'resend_after_uncertain_attempt' END
       FROM claimed
-     WHERE uncertain AND NOT blocked AND NOT %(transport_idempotent)s
+     WHERE uncertain AND NOT blocked
+       AND (NOT %(transport_idempotent)s
+            OR uncertain_since < now() - make_interval(secs => %(key_life_seconds)s::float8))
 )
 SELECT account_id, delivery_id, job_id, kind, campaign_id, subscriber_id, email, payload, attempt,
        failures, blocked, uncertain, name, attributes, not_before
@@ -489,7 +497,7 @@ SELECT d.account_id, d.delivery_id, false AS renewed,
 -- too: that worker really sent it, and recording it spares the recipient a second copy.
 UPDATE sendonce.deliveries d
    SET status = 'sent', sent_at = u.sent_at, transport_message_id = u.message_id,
-       lease_expires_at = NULL, uncertain = false, last_error = NULL, updated_at = now()
+       lease_expires_at = NULL, uncertain = false, uncertain_since = NULL, last_error = NULL, updated_at = now()
   FROM unnest(%(account_ids)b::bigint[], %(delivery_ids)b::bigint[], %(attempts)b::int[],
               %(message_ids)b::text[], %(sent_ats)b::timestamptz[])
        AS u(account_id, delivery_id, attempt, message_id, sent_at)
@@ -503,6 +511,7 @@ RETURNING d.account_id, d.delivery_id;
 UPDATE sendonce.deliveries d
    SET status = 'queued', not_before = now() + make_interval(secs => u.delay),
        failures = d.failures + 1, last_error = u.error, uncertain = d.uncertain OR u.uncertain,
+       uncertain_since = CASE WHEN u.uncertain THEN coalesce(d.uncertain_since, now()) ELSE d.uncertain_since END,
        lease_expires_at = NULL, updated_at = now()
   FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[],
               %(delays)s::float8[], %(errors)s::text[], %(uncertain)s::bool[])
