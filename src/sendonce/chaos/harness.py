@@ -173,8 +173,9 @@ class Harness:
         self.partitions = 0
         self.opt_outs_planned = 0
         """Opt-outs of rows held unclaimed that the scenario planned (each may find no row left)."""
-        self.held_at_kills: list[int | None] = []
-        """Per external kill: the rows its victim still held right after it died (None: unknown)."""
+        self.held_at_kills: list[tuple[float, list[str] | None]] = []
+        """Per external kill: when, and the job ids of the rows its victim still held right after it
+        died (None: the database could not be asked)."""
         self.extra_checks: list[Check] = []
         self.worker_faults: str | None = None
         self.api_faults: str | None = None
@@ -355,10 +356,9 @@ class Harness:
             if self.procs.kill(victim):
                 break
             self.babysit()  # it died meanwhile (the fault hook): replace it, and pick again
-        # Dead now: what it held cannot change until its leases expire (seconds away). What it sent of
-        # those without recording is in flight; there can be no more of it than it held.
-        holders = self._holders()
-        self.held_at_kills.append(None if holders is None else holders.get(victim.pid, 0))
+        # Dead now: what it held cannot change until its leases expire (seconds away). Those of them
+        # the inbox has (it sent them, and could not record them) were in flight: see in_flight_bound.
+        self.held_at_kills.append((time.time(), self._held_jobs(victim.pid)))
         if role == "worker":
             self.procs.spawn_worker(self.sink.url(), faults=self.worker_faults)
         return victim
@@ -378,6 +378,33 @@ class Harness:
                 return self.rng.choice(live)
             self.babysit()
             time.sleep(0.01)
+
+    def _held_jobs(self, pid: int) -> list[str] | None:
+        """Job ids of the rows worker ``pid`` holds (claimed, not recorded); None if the database cannot be asked."""
+        try:
+            with psycopg.connect(self.url, connect_timeout=2) as conn:
+                rows = conn.execute(
+                    "SELECT job_id FROM sendonce.deliveries WHERE status = 'sending' AND claimed_by LIKE %s",
+                    (f"%:{pid}:%",),
+                ).fetchall()
+        except psycopg.Error:
+            return None
+        return [str(r[0]) for r in rows]
+
+    def in_flight_at_kills(self) -> list[int | None]:
+        """Per external kill: the rows its victim held whose message the inbox had received by then (up
+        to a moment later: what it wrote before it died may still be on its way), None if unknown.
+        Nobody else can send those rows before the victim's leases expire, so within that moment
+        every copy of them is the victim's."""
+        first: dict[str, float] = {}
+        for arrival in self.sink.arrivals():
+            if arrival.job_id is not None and arrival.at < first.get(arrival.job_id, float("inf")):
+                first[arrival.job_id] = arrival.at
+        settle = min(1.0, self.worker_options.lease / 2)
+        return [
+            None if jobs is None else sum(1 for job in jobs if first.get(job, float("inf")) <= at + settle)
+            for at, jobs in self.held_at_kills
+        ]
 
     def _holders(self) -> dict[int, int] | None:
         """Claimed, unrecorded rows per worker pid; None if the database cannot be asked."""
@@ -525,10 +552,12 @@ class Harness:
         if fleet.hook_points:
             r.notes.append("fault hook kills by point: " + describe_faults(fleet.hook_points))
         if self.held_at_kills:
-            holding = [n for n in self.held_at_kills if n]
+            holding = [len(jobs) for _, jobs in self.held_at_kills if jobs]
+            in_flight = [n for n in self.in_flight_at_kills() if n is not None]
             r.notes.append(
                 f"external kills: {len(holding)} of {len(self.held_at_kills)} victims held claimed rows "
-                f"({sum(holding)} rows in all)"
+                f"({sum(holding)} rows in all, {sum(in_flight)} of them sent and not recorded; at most "
+                f"{max(in_flight, default=0)} at one kill)"
             )
         r.numbers.update(
             {
@@ -549,9 +578,10 @@ def in_flight_bound(h: Harness, *, extra: int = 0) -> int:
     """SMTP: copies the injected faults can explain; each is at most one message per connection."""
     fleet = h.procs
     c = h.worker_options.concurrency
-    # An external kill: at most one per connection, and never more than its victim held right after
-    # it died. A kill by the fault hook is seen later, when its leases may already have moved on: c.
-    external = sum(c if held is None else min(c, held) for held in h.held_at_kills)
+    # An external kill: its victim's messages in flight (sent, not recorded: counted from the inbox),
+    # which the rule caps at one per connection. A kill by the fault hook is seen later, when its
+    # leases may already have moved on: c.
+    external = sum(c if n is None else min(c, n) for n in h.in_flight_at_kills())
     external += c * (fleet.external_kills - len(h.held_at_kills))  # kills made other ways, if any
     hook = fleet.hook_kills["worker"] + fleet.hook_kills["isolated"]
     sink = h.sink.fault_counts()
