@@ -149,8 +149,10 @@ def test_races(where: list[str], tmp_path: Path) -> None:
     assert check(result, "opt-outs that landed before the claim")["detail"].endswith("2 racing")
 
 
-def test_partition(where: list[str], tmp_path: Path) -> None:
-    code, [result] = chaos(where, tmp_path, "--scenario", "partition", "--partition-mode", "pause")
+@pytest.mark.parametrize("mode", ["pause", "cut"])
+def test_partition(where: list[str], tmp_path: Path, mode: str) -> None:
+    # pause: the proxy drops the isolated worker's packets; cut: it resets its connections
+    code, [result] = chaos(where, tmp_path, "--scenario", "partition", "--partition-mode", mode)
     assert code == 0 and result["verdict"] == "pass", explain(result)
     assert result["numbers"]["refused"] > 0, "the isolated worker had no late outcome to refuse"
 
@@ -179,6 +181,23 @@ def test_marking_sent_before_sending_loses_mail(where: list[str], tmp_path: Path
     assert result["lost"] > 0, explain(result)
     # the campaign's own check, from the inbox: a signup lost alone would not prove it
     assert not check(result, "every intended recipient received the campaign")["ok"], explain(result)
+
+
+def test_sending_before_the_previous_record_is_caught(where: list[str], tmp_path: Path) -> None:
+    # the rule that bounds SMTP duplicates removed: a connection's next content no longer waits until
+    # its previous accepted message is recorded, so a kill leaves more than one per connection
+    code, [result] = chaos(
+        where,
+        tmp_path,
+        *("--scenario", "kills", "--transport", "smtp", "--kills", "10", "--concurrency", "2"),
+        *("--broken", "no-record-wait"),
+    )
+    assert code == 1 and result["verdict"] == "FAIL"
+    broken = {c["name"] for c in result["checks"] if not c["ok"]}
+    assert broken & {
+        "SMTP: no kill found more than one unrecorded message per connection",
+        "SMTP: duplicates within the in-flight bound",
+    }, explain(result)
 
 
 def test_usage_errors_exit_2(tmp_path: Path) -> None:

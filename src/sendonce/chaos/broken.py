@@ -18,6 +18,12 @@ Builds:
     The seed's ordering: each row is recorded ``sent`` (and committed) *before* the transport is
     called, and the outcome of the call is ignored. A kill between the two loses the message
     silently. The kills scenario must report losses.
+
+``no-record-wait``
+    The SMTP channel is called without its gate: a connection sends its next content without waiting
+    until its previous accepted message is recorded (nor re-checking the claim's deadline there), so
+    a kill can leave several messages per connection sent and unrecorded. The kills scenario must
+    find a kill with more than one per connection in flight.
 """
 
 from __future__ import annotations
@@ -28,12 +34,13 @@ from datetime import UTC, datetime
 
 from sendonce.delivery.compose import ComposeError
 from sendonce.delivery.worker import Worker, _Lane, _Result
+from sendonce.domain.message import OutgoingMessage
 from sendonce.store import outbox
 from sendonce.store.outbox import SentRecord
 from sendonce.store.queries import QUERIES
-from sendonce.transports.base import Channel, Permanent
+from sendonce.transports.base import Channel, Follow, Gate, Outcome, Permanent
 
-BUILDS = ("no-fencing", "mark-sent-first")
+BUILDS = ("no-fencing", "mark-sent-first", "no-record-wait")
 FENCE = "AND d.attempt = u.attempt"
 
 
@@ -82,11 +89,31 @@ def mark_sent_first() -> None:
     Worker._sender = _sender_marking_sent_first  # type: ignore[method-assign]
 
 
+def no_record_wait() -> None:
+    from sendonce.transports.smtp import SmtpChannel
+
+    send = SmtpChannel.send
+
+    async def send_without_gate(
+        self: SmtpChannel,
+        message: OutgoingMessage,
+        *,
+        timeout: float,
+        gate: Gate | None = None,
+        follow: Follow | None = None,
+    ) -> Outcome:
+        return await send(self, message, timeout=timeout, gate=None, follow=follow)
+
+    SmtpChannel.send = send_without_gate  # type: ignore[method-assign]
+
+
 def apply(build: str) -> None:
     if build == "no-fencing":
         remove_fencing()
     elif build == "mark-sent-first":
         mark_sent_first()
+    elif build == "no-record-wait":
+        no_record_wait()
     else:
         raise SystemExit(f"unknown broken build {build!r}; known: {', '.join(BUILDS)}")
 

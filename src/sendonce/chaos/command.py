@@ -52,7 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     add("--restarts", type=int, default=d.restarts, help="database restarts (default %(default)s)")
     add("--down", type=float, default=d.down, help="seconds the embedded server stays down (default %(default)s)")
     add("--partitions", type=int, default=d.partitions, help="partitions of one worker (default %(default)s)")
-    add("--partition-mode", choices=("pause", "cut", "both"), default=d.partition_mode)
+    add(
+        "--partition-mode",
+        choices=("pause", "cut", "both"),
+        default=d.partition_mode,
+        help="drop the isolated worker's packets (pause) or reset its connections (cut); both: they "
+        "alternate, the seed says which comes first (default %(default)s)",
+    )
     add("--pauses", type=int, default=d.pauses, help="campaign pause/resume cycles (default %(default)s)")
     add("--opt-outs", type=int, default=d.opt_outs, help="opt-outs during the send (default %(default)s)")
     add("--upgrades", type=int, default=d.upgrades, help="concurrent `db upgrade` processes (default %(default)s)")

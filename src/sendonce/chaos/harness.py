@@ -173,9 +173,9 @@ class Harness:
         self.partitions = 0
         self.opt_outs_planned = 0
         """Opt-outs of rows held unclaimed that the scenario planned (each may find no row left)."""
-        self.held_at_kills: list[tuple[float, list[str] | None]] = []
-        """Per external kill: when, and the job ids of the rows its victim still held right after it
-        died (None: the database could not be asked)."""
+        self.held_at_kills: list[tuple[float, list[tuple[str, float]] | None]] = []
+        """Per external kill: when, and the rows its victim still held right after it died, as (job id,
+        when it claimed the row) (None: the database could not be asked)."""
         self.extra_checks: list[Check] = []
         self.worker_faults: str | None = None
         self.api_faults: str | None = None
@@ -379,31 +379,36 @@ class Harness:
             self.babysit()
             time.sleep(0.01)
 
-    def _held_jobs(self, pid: int) -> list[str] | None:
-        """Job ids of the rows worker ``pid`` holds (claimed, not recorded); None if the database cannot be asked."""
+    def _held_jobs(self, pid: int) -> list[tuple[str, float]] | None:
+        """The rows worker ``pid`` holds (claimed, not recorded) as (job id, claimed at: a claim sets
+        updated_at, a renewal does not); None if the database cannot be asked."""
         try:
             with psycopg.connect(self.url, connect_timeout=2) as conn:
                 rows = conn.execute(
-                    "SELECT job_id FROM sendonce.deliveries WHERE status = 'sending' AND claimed_by LIKE %s",
+                    "SELECT job_id, extract(epoch FROM updated_at)::float8 FROM sendonce.deliveries "
+                    "WHERE status = 'sending' AND claimed_by LIKE %s",
                     (f"%:{pid}:%",),
                 ).fetchall()
         except psycopg.Error:
             return None
-        return [str(r[0]) for r in rows]
+        return [(str(job), float(at)) for job, at in rows]
 
     def in_flight_at_kills(self) -> list[int | None]:
-        """Per external kill: the rows its victim held whose message the inbox had received by then (up
-        to a moment later: what it wrote before it died may still be on its way), None if unknown.
-        Nobody else can send those rows before the victim's leases expire, so within that moment
-        every copy of them is the victim's."""
-        first: dict[str, float] = {}
+        """Per external kill: the rows its victim held whose message the inbox received after the
+        victim claimed them and by the kill (up to a moment later: what it wrote before it died may
+        still be on its way); None if unknown. Nobody else can send those rows between the claim and
+        the victim's lease expiry, so those copies are the victim's: sent, and never recorded. (A copy
+        before the claim is an earlier holder's, counted at that holder's death.)"""
+        arrived: dict[str, list[float]] = {}
         for arrival in self.sink.arrivals():
-            if arrival.job_id is not None and arrival.at < first.get(arrival.job_id, float("inf")):
-                first[arrival.job_id] = arrival.at
+            if arrival.job_id is not None:
+                arrived.setdefault(arrival.job_id, []).append(arrival.at)
         settle = min(1.0, self.worker_options.lease / 2)
         return [
-            None if jobs is None else sum(1 for job in jobs if first.get(job, float("inf")) <= at + settle)
-            for at, jobs in self.held_at_kills
+            None
+            if held is None
+            else sum(1 for job, claimed in held if any(claimed <= at <= killed + settle for at in arrived.get(job, ())))
+            for killed, held in self.held_at_kills
         ]
 
     def _holders(self) -> dict[int, int] | None:
@@ -504,6 +509,16 @@ class Harness:
         verdict = judge(self.sink.arrivals(), self.expect, view, idempotent=self.sink.idempotent, zombies=zombies)
         crashes = list(self.procs.crashes)
         verdict.add("no process crashed", not crashes, "; ".join(crashes[:5]))
+        in_flight = [n for n in self.in_flight_at_kills() if n is not None]
+        if in_flight and not self.sink.idempotent:
+            # The rule that bounds SMTP duplicates, seen directly: a connection sends no content while
+            # its previous accepted message is unrecorded, so a kill finds at most one per connection.
+            c = self.worker_options.concurrency
+            verdict.add(
+                "SMTP: no kill found more than one unrecorded message per connection",
+                max(in_flight) <= c,
+                f"at most {max(in_flight)} at one kill of {len(in_flight)}, {c} connections per worker",
+            )
         if self.opt_outs_planned:
             landed = len(self.expect.opted_out_before_claim)
             verdict.add(

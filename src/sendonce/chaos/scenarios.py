@@ -428,6 +428,8 @@ def _partition(h: Harness, proxy: TcpProxy) -> Result:
     )
     h.go()
     modes = ["pause", "cut"] if o.partition_mode == "both" else [o.partition_mode]
+    # "both" with one partition: the seed picks which (it was always "pause", so "cut" never ran)
+    modes = modes[o.seed % len(modes) :] + modes[: o.seed % len(modes)]
     windows: list[tuple[float, float]] = []
 
     def isolate(i: int) -> None:
