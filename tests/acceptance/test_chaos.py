@@ -203,6 +203,7 @@ def test_sending_before_the_previous_record_is_caught(where: list[str], tmp_path
 def test_usage_errors_exit_2(tmp_path: Path) -> None:
     assert run(["--scenario", "nonsense", "--home", str(tmp_path)]) == 2
     assert run(["--recipients", "5", "--home", str(tmp_path)]) == 2
+    assert run(["--faults", "after_acept=0.1", "--home", str(tmp_path)]) == 2  # a misspelt point
 
 
 # -- holes the suite found, reproduced deterministically (fixed; kept as regression tests) -----------

@@ -26,6 +26,7 @@ from sendonce.chaos.broken import BUILDS
 from sendonce.chaos.database import DEFAULT_RESTART_COMMAND, ChaosServer
 from sendonce.chaos.harness import Context, Options, Result
 from sendonce.chaos.scenarios import FIXED_TRANSPORT, SCENARIOS, TRANSPORTS
+from sendonce.faults import Faults
 
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -157,6 +158,11 @@ def run(argv: list[str]) -> int:
     )
     if options.recipients < 20 or options.workers < 1 or options.apis < 1:
         console.print("[red]error:[/red] need at least 20 recipients, one worker and one API process")
+        return EXIT_USAGE
+    try:
+        Faults(options.faults)  # what every worker would refuse at start-up, refused here once
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] --faults: {exc}")
         return EXIT_USAGE
     home = Path(args.home).resolve()
     run_dir = Path(args.log_dir) if args.log_dir else home / "chaos" / time.strftime("%Y%m%d-%H%M%S")
