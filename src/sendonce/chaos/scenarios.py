@@ -239,7 +239,7 @@ def smtp_faults(ctx: Context, transport: str) -> Result:
     slow answer short. A drop, a slow answer and a garbled one each follow a message the inbox has."""
     o = ctx.options
     faults = InboxFaults(
-        drop_after_data=0.03, temp_fail=0.04, slow=0.02, garbled_reply=0.01, slow_seconds=SLOW_SECONDS, seed=o.seed
+        drop_after_data=0.03, temp_fail=0.04, slow=0.03, garbled_reply=0.03, slow_seconds=SLOW_SECONDS, seed=o.seed
     )
     sink = SmtpSink(faults, timeout=SMTP_TIMEOUT)
     with Harness("smtp-faults", "smtp", ctx, sink, lease=max(o.lease, SLOW_SECONDS * 2)) as h:
