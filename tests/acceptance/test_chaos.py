@@ -189,7 +189,7 @@ def test_sending_before_the_previous_record_is_caught(where: list[str], tmp_path
     code, [result] = chaos(
         where,
         tmp_path,
-        *("--scenario", "kills", "--transport", "smtp", "--kills", "10", "--concurrency", "2"),
+        *("--scenario", "kills", "--transport", "smtp", "--kills", "16", "--concurrency", "2"),
         *("--broken", "no-record-wait"),
     )
     assert code == 1 and result["verdict"] == "FAIL"
