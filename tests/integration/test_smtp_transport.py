@@ -111,35 +111,25 @@ async def test_a_temporary_refusal_of_the_content_is_a_certain_retry(pipelining:
 
 
 @MODES
-async def test_a_connection_lost_after_the_content_is_uncertain(pipelining: bool) -> None:
-    faults = InboxFaults(drop_after_data=1.0)
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "drop_after_data",  # the connection is lost before the answer to the content
+        "garbled_reply",  # the answer to the content is a line without a reply code
+    ],
+)
+async def test_an_unclear_end_after_the_content_is_uncertain(pipelining: bool, fault: str) -> None:
+    faults = InboxFaults(**{fault: 1.0})
     with Inbox(faults=faults) as inbox:
         channel = _channel(inbox, pipelining=pipelining)
         try:
             outcome = await channel.send(_message(1), timeout=5)
             assert isinstance(outcome, Retry) and outcome.uncertain, outcome
-            faults.drop_after_data = 0.0
+            setattr(faults, fault, 0.0)
             assert isinstance(await channel.send(_message(2), timeout=5), Accepted)
         finally:
             await channel.close()
     # the uncertain one did arrive: that is why a re-send of it goes to the possible-duplicate ledger
-    assert [m.job_id for m in inbox.messages] == ["job-1", "job-2"]
-
-
-@MODES
-async def test_an_answer_to_the_content_that_is_not_a_reply_is_uncertain(pipelining: bool) -> None:
-    # The server took the message, then answered with a line that has no reply code: the client
-    # cannot tell a refusal from an acceptance, so a re-send must go to the possible-duplicate ledger.
-    faults = InboxFaults(garbled_reply=1.0)
-    with Inbox(faults=faults) as inbox:
-        channel = _channel(inbox, pipelining=pipelining)
-        try:
-            outcome = await channel.send(_message(1), timeout=5)
-            assert isinstance(outcome, Retry) and outcome.uncertain, outcome
-            faults.garbled_reply = 0.0
-            assert isinstance(await channel.send(_message(2), timeout=5), Accepted)
-        finally:
-            await channel.close()
     assert [m.job_id for m in inbox.messages] == ["job-1", "job-2"]
 
 
