@@ -467,6 +467,39 @@ async def test_a_late_outcome_is_kept_when_nobody_reclaimed_the_row(database_url
     assert await _claim_all(database_url) == []
 
 
+async def test_a_retry_recorded_twice_counts_its_failure_once(database_url: str) -> None:
+    """A group's commit can succeed while its answer is lost; the worker then records the same group
+    again. Without failure_attempt (migration 0008) the second record counted the failure again. A
+    failure whose row's lease ran out before its record still counts, once."""
+    await campaign_setup(database_url, emails(2))
+    await _start_and_build(database_url)
+    first, second = await _claim_all(database_url)
+    await _expire_leases(database_url)
+    async with await connect(database_url) as conn:
+        # the second row's lease runs out before its record: 'queued', same attempt, not yet counted
+        await conn.execute(
+            "UPDATE sendonce.deliveries SET lease_expires_at = now() + interval '1 hour' WHERE delivery_id = %s",
+            (first.delivery_id,),
+        )
+        assert len(await outbox.requeue_expired(conn)) == 1
+        retries = [
+            outbox.RetryRecord(d.account_id, d.delivery_id, d.attempt, 0.0, "451 later", False) for d in (first, second)
+        ]
+        for _ in range(2):  # recorded, then recorded again: the answer to the first commit was lost
+            assert await outbox.record_retry(conn, retries) == {first.key, second.key}
+        rows = await (await conn.execute("SELECT failures FROM sendonce.deliveries ORDER BY delivery_id")).fetchall()
+    assert [row["failures"] for row in rows] == [1, 1]
+    # the next attempt's failure counts again
+    third, fourth = await _claim_all(database_url)
+    async with await connect(database_url) as conn:
+        await outbox.record_retry(
+            conn,
+            [outbox.RetryRecord(d.account_id, d.delivery_id, d.attempt, 0.0, "451", False) for d in (third, fourth)],
+        )
+        rows = await (await conn.execute("SELECT failures FROM sendonce.deliveries ORDER BY delivery_id")).fetchall()
+    assert [row["failures"] for row in rows] == [2, 2]
+
+
 async def test_renewal_only_extends_leases_still_owned(database_url: str) -> None:
     await campaign_setup(database_url, emails(2))
     await _start_and_build(database_url)

@@ -507,10 +507,13 @@ RETURNING d.account_id, d.delivery_id;
 
 -- record_retry --
 -- Transient failures: back to the queue after a backoff, fenced. uncertain when the transport
--- could not tell whether it accepted the message.
+-- could not tell whether it accepted the message. A failure counts once per attempt
+-- (failure_attempt, migration 0008): the same group recorded again, after a commit whose answer was
+-- lost, does not count it twice.
 UPDATE sendonce.deliveries d
    SET status = 'queued', not_before = now() + make_interval(secs => u.delay),
-       failures = d.failures + 1, last_error = u.error, uncertain = d.uncertain OR u.uncertain,
+       failures = d.failures + CASE WHEN d.failure_attempt IS NOT DISTINCT FROM u.attempt THEN 0 ELSE 1 END,
+       failure_attempt = u.attempt, last_error = u.error, uncertain = d.uncertain OR u.uncertain,
        uncertain_since = CASE WHEN u.uncertain THEN coalesce(d.uncertain_since, now()) ELSE d.uncertain_since END,
        lease_expires_at = NULL, updated_at = now()
   FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[],
