@@ -8,16 +8,25 @@ Points: ``after_claim`` (rows claimed, nothing sent), ``before_send``, ``after_a
 transport accepted a message that is not recorded yet), ``after_record``, ``mid_build`` (between
 two chunks of a recipient-list build), and in the API ``api_after_commit`` (a request's transaction
 committed, its answer not sent yet).
+
+A worker also puts in its note what it held when it died (:attr:`Faults.witness`): the chaos suite
+counts from it, and from the inbox, how many messages that death left sent and unrecorded.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import time
+from collections.abc import Callable
+from typing import Any
 
 DEATH_NOTE = "sendonce fault hook: SIGKILL at "
-"""Written to stderr, followed by the point's name, just before the hook kills the process."""
+"""Written to stderr, followed by the point's name (and, if the process has a witness, a space and a
+JSON object: ``at``, the time of death, and what the witness said), just before the hook kills the
+process."""
 
 POINTS = frozenset({"after_claim", "before_send", "after_accept", "after_record", "mid_build", "api_after_commit"})
 
@@ -42,6 +51,8 @@ class Faults:
                     raise ValueError(f"fault {name!r}: probability must be within [0, 1]")
                 self.probabilities[name] = probability
         self._random = random.Random(seed)
+        self.witness: Callable[[], dict[str, Any]] | None = None
+        """What the process holds, for its death note; set by a worker whose faults are active."""
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -57,7 +68,10 @@ class Faults:
         probability = self.probabilities.get(point)
         if probability and self._random.random() < probability:
             # one unbuffered line first, so whoever watches the process can tell where it died
-            os.write(2, f"{DEATH_NOTE}{point}\n".encode())
+            note = f"{DEATH_NOTE}{point}"
+            if self.witness is not None:
+                note += " " + json.dumps({"at": time.time(), **self.witness()}, separators=(",", ":"))
+            os.write(2, f"{note}\n".encode())
             os.kill(os.getpid(), signal.SIGKILL)
 
 

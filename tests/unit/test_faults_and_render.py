@@ -1,10 +1,16 @@
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
+from sendonce.chaos.processes import death_note
 from sendonce.delivery.compose import CAMPAIGN_VARIABLES, compile_campaign
 from sendonce.delivery.render import TemplateError, compile_template
-from sendonce.faults import Faults
+from sendonce.faults import DEATH_NOTE, Faults
 
 
 def test_faults_are_inert_unless_configured() -> None:
@@ -99,3 +105,29 @@ def _secret_of(home: str) -> bytes:
     from sendonce.settings import load_settings
 
     return keyring(load_settings(home=Path(home))).current
+
+
+def test_a_death_by_the_hook_leaves_a_note_of_what_the_worker_held() -> None:
+    """The chaos suite counts what a hook kill left in flight from this note (see in_flight_bound)."""
+    script = (
+        "from sendonce.faults import Faults\n"
+        "f = Faults('after_accept=1')\n"
+        "f.witness = lambda: {'held': [['campaign:1:2', 1700000000.5], ['campaign:1:3', 1700000001.0]]}\n"
+        "f.hit('after_claim')\n"  # not configured: nothing happens
+        "f.hit('after_accept')\n"
+        "print('still alive')\n"
+    )
+    before = time.time()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL
+    assert "still alive" not in done.stdout
+    note = death_note("some log line\n" + done.stderr)
+    assert note is not None
+    point, held = note
+    assert point == "after_accept"
+    assert held is not None
+    assert before <= held[0] <= time.time()
+    assert held[1] == [("campaign:1:2", 1700000000.5), ("campaign:1:3", 1700000001.0)]
+    # a note without a witness (an API process) still names its point
+    assert death_note(f"{DEATH_NOTE}api_after_commit\n") == ("api_after_commit", None)
+    assert death_note("nothing here\n") is None

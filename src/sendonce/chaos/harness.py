@@ -393,22 +393,27 @@ class Harness:
             return None
         return [(str(job), float(at)) for job, at in rows]
 
-    def in_flight_at_kills(self) -> list[int | None]:
-        """Per external kill: the rows its victim held whose message the inbox received after the
-        victim claimed them and by the kill (up to a moment later: what it wrote before it died may
-        still be on its way); None if unknown. Nobody else can send those rows between the claim and
-        the victim's lease expiry, so those copies are the victim's: sent, and never recorded. (A copy
-        before the claim is an earlier holder's, counted at that holder's death.)"""
+    def in_flight_at_kills(self, *, hook: bool = False) -> list[int | None]:
+        """Per external kill (``hook``: per death by the fault hook): the rows its victim held whose
+        message the inbox received after the victim claimed them and by the kill (up to a moment
+        later: what it wrote before it died may still be on its way); None if unknown. Nobody else
+        can send those rows between the claim and the victim's lease expiry, so those copies are the
+        victim's: sent, and never recorded. (A copy before the claim is an earlier holder's, counted
+        at that holder's death.) What an external victim held is read from the database at the kill;
+        a hook victim wrote it in its death note."""
         arrived: dict[str, list[float]] = {}
         for arrival in self.sink.arrivals():
             if arrival.job_id is not None:
                 arrived.setdefault(arrival.job_id, []).append(arrival.at)
         settle = min(1.0, self.worker_options.lease / 2)
+        kills = self.procs.held_at_hook_kills if hook else self.held_at_kills
         return [
             None
-            if held is None
-            else sum(1 for job, claimed in held if any(claimed <= at <= killed + settle for at in arrived.get(job, ())))
-            for killed, held in self.held_at_kills
+            if kill is None or kill[1] is None
+            else sum(
+                1 for job, claimed in kill[1] if any(claimed <= at <= kill[0] + settle for at in arrived.get(job, ()))
+            )
+            for kill in kills
         ]
 
     def _holders(self) -> dict[int, int] | None:
@@ -509,7 +514,7 @@ class Harness:
         verdict = judge(self.sink.arrivals(), self.expect, view, idempotent=self.sink.idempotent, zombies=zombies)
         crashes = list(self.procs.crashes)
         verdict.add("no process crashed", not crashes, "; ".join(crashes[:5]))
-        in_flight = [n for n in self.in_flight_at_kills() if n is not None]
+        in_flight = [n for n in self.in_flight_at_kills() + self.in_flight_at_kills(hook=True) if n is not None]
         if in_flight and not self.sink.idempotent:
             # The rule that bounds SMTP duplicates, seen directly: a connection sends no content while
             # its previous accepted message is unrecorded, so a kill finds at most one per connection.
@@ -574,6 +579,14 @@ class Harness:
                 f"({sum(holding)} rows in all, {sum(in_flight)} of them sent and not recorded; at most "
                 f"{max(in_flight, default=0)} at one kill)"
             )
+        if fleet.held_at_hook_kills:
+            known = [kill for kill in fleet.held_at_hook_kills if kill is not None]
+            in_flight = [n for n in self.in_flight_at_kills(hook=True) if n is not None]
+            r.notes.append(
+                f"fault hook kills: {len(known)} of {len(fleet.held_at_hook_kills)} noted what they held "
+                f"({sum(len(held) for _, held in known)} rows in all, {sum(in_flight)} of them sent and not "
+                f"recorded; at most {max(in_flight, default=0)} at one kill)"
+            )
         r.numbers.update(
             {
                 "signups": len(self.expect.signups) if self.expect else 0,
@@ -593,16 +606,17 @@ def in_flight_bound(h: Harness, *, extra: int = 0) -> int:
     """SMTP: copies the injected faults can explain; each is at most one message per connection."""
     fleet = h.procs
     c = h.worker_options.concurrency
-    # An external kill: its victim's messages in flight (sent, not recorded: counted from the inbox),
-    # which the rule caps at one per connection. A kill by the fault hook is seen later, when its
-    # leases may already have moved on: c.
+    # A kill: its victim's messages in flight (sent, not recorded: counted from the inbox), which the
+    # rule caps at one per connection; c where what it held is not known.
     external = sum(c if n is None else min(c, n) for n in h.in_flight_at_kills())
     external += c * (fleet.external_kills - len(h.held_at_kills))  # kills made other ways, if any
-    hook = fleet.hook_kills["worker"] + fleet.hook_kills["isolated"]
+    hook = sum(c if n is None else min(c, n) for n in h.in_flight_at_kills(hook=True))
+    hook += c * (fleet.hook_kills["worker"] + fleet.hook_kills["isolated"] - len(fleet.held_at_hook_kills))
     sink = h.sink.fault_counts()
     return (
         external
-        + c * (hook + h.partitions)
+        + hook
+        + c * h.partitions
         + c * h.options.workers * h.result.restarts
         + sink["dropped_after_data"]
         + sink["slow"]

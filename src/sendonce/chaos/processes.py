@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import re
 import signal
 import socket
@@ -131,6 +132,21 @@ def refused_outcomes(text: str) -> int:
     return text.count("outcome refused")
 
 
+def death_note(log: str) -> tuple[str, tuple[float, list[tuple[str, float]]] | None] | None:
+    """The last note the fault hook left in a process's log: (point, (time of death, [(job id,
+    claimed at)] the worker held), or None for the second part if the note does not say); None if
+    there is no note."""
+    notes = re.findall(re.escape(DEATH_NOTE) + r"(\w+)(?: (\{.*\}))?$", log, re.MULTILINE)
+    if not notes:
+        return None
+    point, witness = notes[-1]
+    try:
+        note = json.loads(witness)
+        return point, (float(note["at"]), [(str(job), float(at)) for job, at in note["held"]])
+    except (ValueError, KeyError, TypeError):
+        return point, None
+
+
 @dataclass
 class Fleet:
     """All the processes of one scenario."""
@@ -143,9 +159,12 @@ class Fleet:
     procs: list[Proc] = field(default_factory=list)
     external_kills: int = 0
     hook_kills: Counter[str] = field(default_factory=Counter)
+    """Processes that died of SIGKILL the suite did not send (the fault hook), by role."""
     hook_points: Counter[str] = field(default_factory=Counter)
     """Deaths by the fault hook, by the point where it fired (from the note each one leaves)."""
-    """Processes that died of SIGKILL the suite did not send (the fault hook), by role."""
+    held_at_hook_kills: list[tuple[float, list[tuple[str, float]]] | None] = field(default_factory=list)
+    """Per worker killed by the fault hook: (time of death, [(job id, claimed at)] it held), from its
+    note; None where the note says nothing of that."""
     crashes: list[str] = field(default_factory=list)
     _seq: int = 0
 
@@ -283,10 +302,13 @@ class Fleet:
         return True
 
     def _hook_death(self, proc: Proc) -> bool:
-        """Count where the fault hook killed ``proc`` (the note it left); False if it left none."""
-        notes = re.findall(re.escape(DEATH_NOTE) + r"(\w+)", proc.log_text())
-        self.hook_points[notes[-1] if notes else "unknown"] += 1
-        return bool(notes)
+        """Count where the fault hook killed ``proc`` and what it held (the note it left); False if it
+        left none."""
+        note = death_note(proc.log_text())
+        self.hook_points[note[0] if note else "unknown"] += 1
+        if note and proc.role in ("worker", "isolated"):
+            self.held_at_hook_kills.append(note[1])
+        return note is not None
 
     def live(self, role: str) -> list[Proc]:
         return [p for p in self.procs if p.role == role and p.alive()]

@@ -129,6 +129,8 @@ class Held:
     started: bool = False
     done: bool = False
     """Its outcome is with the recorder: a renewal that no longer finds it is not a lost lease."""
+    claimed_at: float = 0.0
+    """Wall-clock time (epoch seconds) just before its claim, for the fault hook's death note."""
 
     @property
     def fenced(self) -> Fenced:
@@ -256,6 +258,8 @@ class Worker:
         """Where this worker's last claim of each campaign ended; emptied whenever it finds nothing to do."""
         self._cursor_resets = 0
         """Times the cursor was emptied (a claim in flight meanwhile must not move it on again)."""
+        if faults.active:
+            faults.witness = self._witness
 
     # -- control -------------------------------------------------------------------------------
 
@@ -418,8 +422,9 @@ class Worker:
                     continue
                 self._wake.clear()
                 started = loop.time()
+                claimed_at = time.time()
 
-                async def claim(conn: Conn, started: float) -> list[ClaimedDelivery] | float:
+                async def claim(conn: Conn, started: float, claimed_at: float) -> list[ClaimedDelivery] | float:
                     limit = config.batch_size
                     rate = config.transport_rate
                     if rate is not None:
@@ -451,12 +456,12 @@ class Worker:
                             await self.composer.prepare(conn, batch)
                     except BaseException:
                         # Claimed but cannot be composed now: hold them only to give them back.
-                        self._take(batch, started + config.lease, release=True)
+                        self._take(batch, started + config.lease, claimed_at, release=True)
                         raise
-                    self._take(batch, started + config.lease)
+                    self._take(batch, started + config.lease, claimed_at)
                     return batch
 
-                batch = await self._with_db(lane, "claim", claim, started)
+                batch = await self._with_db(lane, "claim", claim, started, claimed_at)
                 if batch is None:
                     failures += 1
                     await asyncio.sleep(min(0.2 * 2**failures, 5.0))
@@ -510,7 +515,9 @@ class Worker:
             self.stats.deferred += len(deferred)
         return [d for d in batch if d.key not in held_back]
 
-    def _take(self, batch: list[ClaimedDelivery], lease_end: float, *, release: bool = False) -> None:
+    def _take(
+        self, batch: list[ClaimedDelivery], lease_end: float, claimed_at: float, *, release: bool = False
+    ) -> None:
         for delivery in batch:
             self.stats.claimed += 1
             if delivery.blocked:
@@ -521,9 +528,14 @@ class Worker:
                     extra={"action": "suppressed", "job_id": delivery.job_id},
                 )
                 continue
-            held = Held(delivery, lease_end, release=release)
+            held = Held(delivery, lease_end, release=release, claimed_at=claimed_at)
             self._held[delivery.key] = held
             self._ready.put_nowait(held)
+
+    def _witness(self) -> dict[str, Any]:
+        """For the fault hook's death note: the rows held, as [job id, claimed at]. The chaos suite
+        counts those whose message reached the inbox after the claim: sent, and never recorded."""
+        return {"held": [[h.delivery.job_id, h.claimed_at] for h in self._held.values()]}
 
     def _forget(self, held: Held) -> None:
         """Stop holding this claim. Not by key alone: after its lease ran out, this worker may have
