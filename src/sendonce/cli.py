@@ -187,6 +187,11 @@ def api(
 
     settings = _settings()
     url = _database_url(settings)
+    try:
+        application = create_app(settings, database_url=url)  # a bad setting stops here, not at a request
+    except ConfigurationError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
     if upgrade_schema:
         try:
             _upgrade(url)
@@ -194,7 +199,7 @@ def api(
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(1) from None
     if workers == 1:
-        uvicorn.run(create_app(settings, database_url=url), host=host, port=port, log_level="warning", access_log=False)
+        uvicorn.run(application, host=host, port=port, log_level="warning", access_log=False)
         return
     # Several processes: each builds the app from the environment, pointed at the resolved database.
     os.environ["SENDONCE_DATABASE_URL"] = url

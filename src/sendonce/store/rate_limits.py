@@ -48,9 +48,17 @@ class Rate:
             raise ValueError(f"not a rate: {text!r} (use forms like 14/s, 50/min, 5/h)")
         count = float(match.group(1))
         seconds = float(match.group(2) or 1) * _PER[match.group(3).lower()]
-        if count <= 0:
+        if count <= 0 or seconds <= 0:
             raise ValueError(f"a rate must be positive: {text!r}")
-        return cls(count, seconds, float(burst) if burst.strip() else None)
+        if not burst.strip():
+            return cls(count, seconds)
+        try:
+            size = float(burst)
+        except ValueError:
+            raise ValueError(f"not a burst: {text!r} (use forms like 50/min burst 10)") from None
+        if not size >= 1:  # a bucket that never holds a whole token would refuse everything, for ever
+            raise ValueError(f"a burst must be at least 1: {text!r}")
+        return cls(count, seconds, size)
 
 
 async def take_up_to(conn: Conn, bucket: str, rate: Rate, want: int, account_id: int = 0) -> tuple[int, float]:

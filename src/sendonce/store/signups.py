@@ -8,6 +8,7 @@ worker sends it. A repeat within the window gets the first request's answer and 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,13 +58,17 @@ class SignupLimits:
     per_account: Rate
 
     @property
+    def account_shards(self) -> int:
+        """How many parts the account's bucket is split into: ACCOUNT_BUCKET_SHARDS, fewer when its
+        burst is smaller (each part must hold at least one whole token, or its addresses could never
+        sign up)."""
+        return max(1, min(ACCOUNT_BUCKET_SHARDS, math.floor(self.per_account.capacity)))
+
+    @property
     def per_account_shard(self) -> Rate:
-        """One of ACCOUNT_BUCKET_SHARDS equal parts of the account's rate (and burst)."""
-        return Rate(
-            self.per_account.count / ACCOUNT_BUCKET_SHARDS,
-            self.per_account.seconds,
-            self.per_account.capacity / ACCOUNT_BUCKET_SHARDS,
-        )
+        """One of ``account_shards`` equal parts of the account's rate (and burst)."""
+        shards = self.account_shards
+        return Rate(self.per_account.count / shards, self.per_account.seconds, self.per_account.capacity / shards)
 
 
 def _answer(stored: dict[str, Any] | None, fallback: dict[str, Any]) -> dict[str, Any]:
@@ -162,7 +167,7 @@ async def request_signup(
             raise RateLimited(wait, "address")
         # The account's bucket is split in shards, by address: each request locks one shard row until
         # its commit, so one account's signups are not serialized on a single row.
-        shard = int(hashlib.sha256(address.key.encode()).hexdigest()[:8], 16) % ACCOUNT_BUCKET_SHARDS
+        shard = int(hashlib.sha256(address.key.encode()).hexdigest()[:8], 16) % limits.account_shards
         wait = await rate_limits.take(conn, aid, f"signup:account:{shard}", limits.per_account_shard)
         if wait is not None:
             raise RateLimited(wait, "account")
