@@ -7,6 +7,8 @@ from typing import Any
 
 import httpx
 import psycopg
+import psycopg.conninfo
+import psycopg.sql
 import pytest
 
 from sendonce.testing.tcp_proxy import TcpProxy
@@ -337,3 +339,54 @@ def test_suppression_import_and_export(client: httpx.Client, database_url: str) 
         client.post("/v1/suppressions/import", content=b"email\nnope\n", headers={**auth, "Content-Type": "text/csv"}),
         422,
     )
+
+
+def test_a_database_that_takes_no_writes_gets_a_503_that_can_be_retried(database_url: str) -> None:
+    """A standby during a failover (or a demoted primary) refuses writes with SQLSTATE 25006: retry
+    later, not a 500. The database is made read-only for new sessions, and the pool's are ended."""
+    dbname = psycopg.conninfo.conninfo_to_dict(database_url)["dbname"]
+    with ApiServer(database_url) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+        auth = _account(c)
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            admin.execute(
+                psycopg.sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(
+                    psycopg.sql.Identifier(str(dbname))
+                )
+            )
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        try:
+            for _ in range(5):  # reads still work, once the pool has replaced the connections ended
+                if c.get("/v1/account", headers=auth).status_code == 200:
+                    break
+            response = c.post("/v1/lists", json={"name": "during"}, headers=auth)
+            problem = _problem(response, 503)
+            assert response.headers["retry-after"]
+            assert "retry" in problem["detail"]
+        finally:
+            with psycopg.connect(database_url, autocommit=True) as admin:
+                admin.execute("SET default_transaction_read_only = off")
+                admin.execute(
+                    psycopg.sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(
+                        psycopg.sql.Identifier(str(dbname))
+                    )
+                )
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+        for _ in range(3):
+            if (after := c.post("/v1/lists", json={"name": "after"}, headers=auth)).status_code == 201:
+                break
+        assert after.status_code == 201, after.text
+    assert _count(database_url, "SELECT count(*) FROM sendonce.lists") == 1
+
+
+@pytest.mark.parametrize("account_part", ["\xb2", "1\xb9"])
+def test_a_key_with_digits_that_are_not_ascii_is_a_401(client: httpx.Client, account_part: str) -> None:
+    """'²' is a digit to str.isdigit() but not to int(): such a key was a 500."""
+    header = f"Bearer sk_{account_part}_abcdefghijklmnopqrstuvwxyz".encode("latin-1")
+    response = client.get("/v1/account", headers={"Authorization": header})  # type: ignore[dict-item]
+    _problem(response, 401)

@@ -63,7 +63,8 @@ def split_api_key(api_key: str) -> tuple[int, str] | None:
     if not api_key.startswith(_KEY_PREFIX):
         return None
     account_part, sep, secret = api_key[len(_KEY_PREFIX) :].partition("_")
-    if not sep or not account_part.isdigit() or len(account_part) > 18 or len(secret) < 20:
+    # isdigit() alone takes '²' (a header's byte 0xB2, read as Latin-1), which int() refuses
+    if not sep or not (account_part.isascii() and account_part.isdigit()) or len(account_part) > 18 or len(secret) < 20:
         return None
     return int(account_part), secret
 

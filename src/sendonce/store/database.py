@@ -36,6 +36,9 @@ def is_unavailable(exc: BaseException) -> bool:
         return True
     if isinstance(exc, psycopg.errors.AdminShutdown | psycopg.errors.CannotConnectNow):
         return True
+    if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+        # a server that takes no writes now: a standby during a failover, a primary being demoted
+        return True
     return isinstance(exc, psycopg.InterfaceError)
 
 
