@@ -71,3 +71,22 @@ def test_one_address_signed_up_from_many_sources() -> None:
     for i in range(4, 12):
         flags += detector.observe_signup(1, "victim@example.test", f"192.0.2.{i}")
     assert [(f.kind, f.subject) for f in flags] == [("many_sources", "address:victim@example.test")]
+
+
+def test_the_detectors_memory_is_bounded_by_what_is_recent() -> None:
+    """An API process sees every address that ever signs up: what can no longer raise a flag is
+    forgotten, or the process grows for ever."""
+    clock = Clock()
+    detector = AbuseDetector(bucket_seconds=10, sources_window=600, clock=clock)
+    for i in range(2000):
+        detector.observe_signup(1, f"a{i}@example.test", f"10.0.{i % 250}.{i // 250}")
+        detector.observe_repeat(1, f"10.0.{i % 250}.{i // 250}")
+        clock.now += 0.01
+    assert len(detector._sources) == 2000
+    clock.now += 601  # past the sources window and past 50 buckets without a repeat
+    detector.observe_signup(1, "new@example.test", "10.1.0.1")
+    assert set(detector._sources) == {(1, "new@example.test")}
+    assert detector._series == {}
+    # still detects, after forgetting
+    flags = [f for n in range(4) for f in detector.observe_signup(1, "new@example.test", f"10.2.0.{n}")]
+    assert [f.kind for f in flags] == ["many_sources"]  # its fifth client

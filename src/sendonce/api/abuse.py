@@ -11,7 +11,10 @@ Two signals:
 * **many sources**: one address receiving signups from many client addresses within a period.
 
 The state lives in each API process; alerts go to PostgreSQL with a uniqueness key per subject, kind
-and hour, so several processes noticing the same burst still record one alert.
+and hour, so several processes noticing the same burst still record one alert. It is bounded by what
+is recent: about once a minute, addresses with no signup within the sources window and subjects with
+no repeat for ``IDLE_BUCKETS`` buckets (their baseline has decayed to nothing) are forgotten, so an API
+process that sees millions of addresses does not keep them all.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+IDLE_BUCKETS = 50
+"""Buckets without a repeat after which a subject's baseline is gone (0.8**50 ≈ 1e-5) and it is dropped."""
+
+SWEEP_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +52,7 @@ class _Series:
         if self.bucket == -1:
             self.bucket = bucket
             return
-        steps = min(bucket - self.bucket, 50)
+        steps = min(bucket - self.bucket, IDLE_BUCKETS)
         for _ in range(max(steps, 0)):
             # close the current bucket, then the empty ones in between
             x = float(self.count)
@@ -72,6 +80,20 @@ class AbuseDetector:
     _series: dict[str, _Series] = field(default_factory=dict)
     _sources: dict[tuple[int, str], deque[tuple[float, str]]] = field(default_factory=dict)
     _flagged_sources: dict[tuple[int, str], float] = field(default_factory=dict)
+    _swept: float | None = None
+
+    def _sweep(self, now: float) -> None:
+        """Forget what can no longer raise or suppress a flag (at most once per SWEEP_SECONDS)."""
+        if self._swept is None:
+            self._swept = now
+        if now - self._swept < SWEEP_SECONDS:
+            return
+        self._swept = now
+        horizon = now - self.sources_window
+        self._sources = {key: seen for key, seen in self._sources.items() if seen and seen[-1][0] >= horizon}
+        self._flagged_sources = {key: at for key, at in self._flagged_sources.items() if at > horizon}
+        bucket = int(now // self.bucket_seconds)
+        self._series = {key: s for key, s in self._series.items() if bucket - s.bucket <= IDLE_BUCKETS}
 
     def _threshold(self, series: _Series) -> float:
         return max(float(self.min_count), series.mean + self.z * math.sqrt(series.var), self.factor * series.mean)
@@ -88,7 +110,9 @@ class AbuseDetector:
         return series, abnormal and new_episode
 
     def observe_repeat(self, account_id: int, client: str) -> list[Flag]:
-        bucket = int(self.clock() // self.bucket_seconds)
+        now = self.clock()
+        self._sweep(now)
+        bucket = int(now // self.bucket_seconds)
         client_series, client_flag = self._observe(f"{account_id}|client|{client}", bucket)
         account_series, account_flag = self._observe(f"{account_id}|account", bucket)
         if client_flag:
@@ -123,6 +147,7 @@ class AbuseDetector:
 
     def observe_signup(self, account_id: int, email_key: str, client: str) -> list[Flag]:
         now = self.clock()
+        self._sweep(now)
         key = (account_id, email_key)
         seen = self._sources.setdefault(key, deque())
         seen.append((now, client))
