@@ -6,6 +6,7 @@ import asyncio
 import re
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -16,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import sendonce.outbox
 from sendonce.delivery.worker import WorkerConfig
 from sendonce.store.database import connect
-from sendonce.testing.inbox import Inbox
+from sendonce.testing.inbox import Inbox, InboxFaults
 from sendonce.transports.registry import transport_from_url
 from tests.conftest import ApiServer
 from tests.helpers import campaign_setup, emails, run_to_drain, running_worker
@@ -207,6 +208,49 @@ def test_per_address_rate_limit_answers_429_and_queues_nothing(database_url: str
             assert conn.execute("SELECT count(*) FROM sendonce.deliveries").fetchone() == (2,)
         # another address is not limited by this one
         assert signup(c, auth, email="other@example.test").status_code == 201
+
+
+def test_an_account_burst_below_eight_still_admits_signups_at_its_rate(database_url: str) -> None:
+    """The account's bucket is split by address; with a burst of 5 an eighth of it would never hold a
+    whole token, and every address of such a shard would be refused for ever."""
+    with (
+        ApiServer(database_url, secret=SECRET, signup_rate_per_account="5/s") as api,
+        httpx.Client(base_url=api.url) as c,
+    ):
+        _, auth = account(c)
+        codes = [signup(c, auth, email=f"burst{i}@example.test").status_code for i in range(40)]
+        assert set(codes) == {201, 429} and 1 <= codes.count(201) <= 5
+        time.sleep(1.2)  # every part of the bucket has earned a token again
+        assert signup(c, auth, email="later@example.test").status_code == 201
+
+
+@pytest.mark.parametrize("ambiguous", [False, True])
+async def test_a_repeat_after_the_windows_mail_failed_queues_it_again(
+    client: httpx.Client, database_url: str, ambiguous: bool
+) -> None:
+    """A repeat inside the window is told "queued": when the window's mail ended failed and no attempt
+    of it may have reached the person, that must be true again, so the repeat queues a new one. If the
+    last attempt was ambiguous (the connection dropped after the content), it may have arrived: then
+    the window holds, and "one request or twenty, one mail" stays true."""
+    _, auth = account(client)
+    assert signup(client, auth).status_code == 201
+    faults = InboxFaults(drop_after_data=1.0) if ambiguous else InboxFaults(temp_fail=1.0)
+    with Inbox(faults=faults) as broken:
+        await run_to_drain(database_url, transport_from_url(broken.url), replace(DRAIN, max_failures=1))
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT status::text, uncertain FROM sendonce.deliveries").fetchall() == [
+            ("failed", ambiguous)
+        ]
+    repeat = signup(client, auth)
+    assert repeat.status_code == (200 if ambiguous else 201), repeat.text
+    assert repeat.json()["verification"] == "queued"
+    with Inbox() as inbox:
+        await send_all(database_url, inbox)
+        assert len(inbox.messages) == (0 if ambiguous else 1)
+    # and the new window, its mail sent, absorbs repeats again
+    assert signup(client, auth).status_code == 200
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM sendonce.deliveries").fetchone() == (1 if ambiguous else 2,)
 
 
 async def test_verify_once_twice_forged_and_expired(database_url: str, inbox: Inbox) -> None:

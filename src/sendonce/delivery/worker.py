@@ -760,6 +760,7 @@ class Worker:
                             d.delivery_id,
                             d.attempt,
                             f"gave up after {d.failures + 1} failures: {outcome.error}",
+                            uncertain=outcome.uncertain,
                         )
                     )
                 else:

@@ -97,6 +97,8 @@ class FailedRecord:
     attempt: int
     error: str
     hard_bounce: bool = False
+    uncertain: bool = False
+    """The last attempt may have been taken by the transport (a give-up after an ambiguous answer)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +237,7 @@ async def record_failed(conn: Conn, items: Sequence[FailedRecord]) -> FailedOutc
             {
                 **_columns(items, "account_id", "delivery_id", "attempt", "error"),
                 "hard_bounces": [item.hard_bounce for item in items],
+                "uncertain": [item.uncertain for item in items],
             },
         )
         rows = await cursor.fetchall()

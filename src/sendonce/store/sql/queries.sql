@@ -525,14 +525,17 @@ RETURNING d.account_id, d.delivery_id;
 
 -- record_failed --
 -- Permanent failures, fenced. A hard bounce (the receiving server refused the recipient) is also
--- recorded as the delivery's feedback, for the campaign's bounce rate.
+-- recorded as the delivery's feedback, for the campaign's bounce rate. uncertain: the worker gave up
+-- after an attempt the transport may have taken (the row counts as possibly delivered).
 UPDATE sendonce.deliveries d
    SET status = 'failed', last_error = u.error, lease_expires_at = NULL, updated_at = now(),
        feedback = CASE WHEN u.hard_bounce THEN 'hard_bounce' ELSE d.feedback END,
-       feedback_at = CASE WHEN u.hard_bounce THEN now() ELSE d.feedback_at END
+       feedback_at = CASE WHEN u.hard_bounce THEN now() ELSE d.feedback_at END,
+       uncertain = d.uncertain OR u.uncertain,
+       uncertain_since = CASE WHEN u.uncertain THEN coalesce(d.uncertain_since, now()) ELSE d.uncertain_since END
   FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[],
-              %(errors)s::text[], %(hard_bounces)s::bool[])
-       AS u(account_id, delivery_id, attempt, error, hard_bounce)
+              %(errors)s::text[], %(hard_bounces)s::bool[], %(uncertain)s::bool[])
+       AS u(account_id, delivery_id, attempt, error, hard_bounce, uncertain)
  WHERE d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
    AND d.status IN ('sending', 'queued')
 RETURNING d.account_id, d.delivery_id, d.email_key, d.email, d.subscriber_id, d.campaign_id;
@@ -609,22 +612,32 @@ ON CONFLICT (account_id, email_key, origin) DO UPDATE
 RETURNING signup_id, status;
 
 -- lock_window --
--- The window of an operation under a given key, locked; open is true while it has not run out.
-SELECT window_id, generation, answer, opened_at > now() - %(window)s::interval AS open
-  FROM sendonce.signup_windows
- WHERE account_id = %(account_id)s AND operation_key = %(operation_key)s
-   FOR UPDATE;
+-- The window of an operation under a given key, locked; open is true while it has not run out and
+-- its mail is not certainly dead (see open_window).
+SELECT w.window_id, w.generation, w.answer,
+       w.opened_at > now() - %(window)s::interval
+       AND NOT EXISTS (SELECT 1 FROM sendonce.deliveries d
+                        WHERE d.account_id = w.account_id AND d.job_id = 'signup:' || w.window_id || ':' || w.generation
+                          AND d.status IN ('failed', 'suppressed') AND NOT d.uncertain) AS open
+  FROM sendonce.signup_windows w
+ WHERE w.account_id = %(account_id)s AND w.operation_key = %(operation_key)s
+   FOR UPDATE OF w;
 
 -- open_window --
--- Open the operation's first window, or a new one if the last has run out (from its first request).
--- A row back: this request opened a window (its generation numbers it). No row: a window is open,
--- and this request is a repeat. Atomic under concurrency: the conflicting row is locked, and the
--- condition is evaluated on its latest committed version.
+-- Open the operation's first window, or a new one if the last has run out (from its first request),
+-- or if the last window's mail certainly reached nobody: it ended failed or suppressed, and no attempt
+-- of it may have been taken by the transport (not uncertain), so a repeat asking again is not told
+-- "queued" for a mail that is dead. A row back: this request opened a window (its generation numbers
+-- it). No row: a window is open, and this request is a repeat. Atomic under concurrency: the
+-- conflicting row is locked, and the condition is evaluated on its latest committed version.
 INSERT INTO sendonce.signup_windows AS w (account_id, operation_key, signup_id)
 VALUES (%(account_id)s, %(operation_key)s, %(signup_id)s)
 ON CONFLICT (account_id, operation_key) DO UPDATE
    SET generation = w.generation + 1, opened_at = now(), answer = NULL, signup_id = EXCLUDED.signup_id
  WHERE w.opened_at <= now() - %(window)s::interval
+    OR EXISTS (SELECT 1 FROM sendonce.deliveries d
+                WHERE d.account_id = w.account_id AND d.job_id = 'signup:' || w.window_id || ':' || w.generation
+                  AND d.status IN ('failed', 'suppressed') AND NOT d.uncertain)
 RETURNING window_id, generation;
 
 -- set_window_answer --
