@@ -24,6 +24,7 @@ your idempotency key: enqueueing the same key twice queues one message (the seco
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -32,6 +33,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from sendonce.domain.addresses import parse_address
+from sendonce.domain.jobs import RESERVED_HEADERS
 from sendonce.errors import InvalidInput
 from sendonce.store.queries import query
 
@@ -52,6 +54,10 @@ def message_job_id(account_id: int, key: str) -> str:
     return f"message:{digest}"
 
 
+_HEADER_NAME = re.compile(r"[!-9;-~]+")
+"""A header field name (RFC 5322): printable ASCII but the colon."""
+
+
 def _params(
     *,
     account_id: int,
@@ -70,6 +76,13 @@ def _params(
         raise InvalidInput("subject and text are required")
     if not 0 <= priority <= 99:
         raise InvalidInput("priority must be within 0..99 (campaign mail is 100)")
+    for name, value in (headers or {}).items():
+        if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
+            raise InvalidInput(f"{name!r} is not a header name (printable ASCII, no space, no colon)")
+        if name.lower() in RESERVED_HEADERS:
+            raise InvalidInput(f"the {name} header is written by sendonce")
+        if not isinstance(value, str) or "\r" in value or "\n" in value:
+            raise InvalidInput(f"the {name} header's value must be text on one line")
     address = parse_address(to)
     return {
         "account_id": account_id,

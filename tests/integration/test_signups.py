@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import sendonce.errors
 import sendonce.outbox
 from sendonce.delivery.worker import WorkerConfig
 from sendonce.store.database import connect
@@ -361,6 +362,39 @@ async def test_client_idempotency_keys(client: httpx.Client, database_url: str) 
     with psycopg.connect(database_url) as conn:
         assert conn.execute("SELECT count(*) FROM sendonce.lists").fetchone() == (4,)  # a, a (other), ok, b
         assert conn.execute("SELECT count(*) FROM sendonce.deliveries").fetchone() == (1,)
+
+
+@pytest.mark.parametrize(
+    ("headers", "message"),
+    [
+        ({"X-Order Id": "1"}, "not a header name"),
+        ({"X-Order:Id": "1"}, "not a header name"),
+        ({"X-Ördér": "1"}, "not a header name"),
+        ({"X-Note\r\nBcc": "x@evil.test"}, "not a header name"),
+        ({"From ": "boss@example.test"}, "not a header name"),
+        ({"from": "boss@example.test"}, "written by sendonce"),
+        ({"Sendonce-Job-Id": "message:1:other"}, "written by sendonce"),
+        ({"X-Note": "one\r\nBcc: x@evil.test"}, "on one line"),
+    ],
+)
+async def test_enqueue_refuses_headers_that_would_be_dropped_or_break_the_message(
+    database_url: str, headers: dict[str, str], message: str
+) -> None:
+    """Refused when enqueued, with the reason, rather than dropped or mangled at send time; nothing is
+    written."""
+    async with await connect(database_url) as conn:
+        from tests.helpers import make_account
+
+        aid, _ = await make_account(conn)
+    with psycopg.connect(database_url) as conn:
+        with pytest.raises(sendonce.errors.InvalidInput, match=message):
+            sendonce.outbox.enqueue(
+                conn, account_id=aid, to="a@example.test", subject="s", text="t", key="k", headers=headers
+            )
+        sendonce.outbox.enqueue(
+            conn, account_id=aid, to="a@example.test", subject="s", text="t", key="k", headers={"X-Order-Id": "1"}
+        )
+        assert conn.execute("SELECT payload->'headers' FROM sendonce.deliveries").fetchall() == [({"X-Order-Id": "1"},)]
 
 
 async def test_enqueue_in_the_callers_transaction(database_url: str, inbox: Inbox) -> None:

@@ -9,7 +9,7 @@ from html import escape
 from typing import Any
 
 from sendonce.delivery.compose import ComposeError, Composer, Links, Sender, TransactionalComposer, wire_address
-from sendonce.domain.jobs import JOB_ID_HEADER, message_id
+from sendonce.domain.jobs import JOB_ID_HEADER, RESERVED_HEADERS, message_id
 from sendonce.domain.keys import SIGNUP_EVENT
 from sendonce.domain.message import OutgoingMessage, format_address
 from sendonce.store.outbox import ClaimedDelivery
@@ -86,17 +86,8 @@ def compose_message(delivery: ClaimedDelivery, sender: Sender, date: str) -> Out
     base = _base(delivery, sender, date, None)
     extra = payload.get("headers") or {}
     if isinstance(extra, dict):
-        reserved = {
-            "from",
-            "to",
-            "subject",
-            "date",
-            "message-id",
-            "mime-version",
-            "content-type",
-            JOB_ID_HEADER.lower(),
-        }
-        base["headers"] += [(str(k), str(v)) for k, v in extra.items() if str(k).lower() not in reserved]
+        # checked at enqueue (sendonce.outbox); rows written before that check are filtered here
+        base["headers"] += [(str(k), str(v)) for k, v in extra.items() if str(k).lower() not in RESERVED_HEADERS]
     return OutgoingMessage(subject=subject, text=text, html=html if isinstance(html, str) else None, **base)
 
 
