@@ -132,11 +132,16 @@ class ResendChannel(Channel):
                 headers={"Idempotency-Key": message.job_id},
                 timeout=timeout,
             )
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            # no connection, so no byte of the request went out: the provider has nothing
+            return Retry(f"{type(exc).__name__}: {exc}"[:500])
         except httpx.TimeoutException as exc:
             # The provider may have accepted it before we gave up; the same key makes a re-send safe.
             return Retry(f"timeout: {type(exc).__name__}", uncertain=True)
         except httpx.HTTPError as exc:
-            return Retry(f"{type(exc).__name__}: {exc}"[:500], uncertain=isinstance(exc, httpx.RemoteProtocolError))
+            # Any other failure came once the request was (being) written: a connection reset while
+            # waiting for the answer, an answer cut short. The provider may have taken the message.
+            return Retry(f"{type(exc).__name__}: {exc}"[:500], uncertain=True)
         except Exception as exc:  # anything else must not take the worker down with it
             logger.exception("unexpected error sending %s", message.job_id)
             return Retry(f"unexpected {type(exc).__name__}: {exc}"[:500], uncertain=True)
