@@ -21,6 +21,10 @@ def test_rates_parse() -> None:
         ("5/s burst 0.5", "at least 1"),  # a bucket that never holds a token refuses everything
         ("5/s burst 0", "at least 1"),
         ("5/s burst lots", "not a burst"),
+        ("5/s burst 1e999", "finite"),  # was accepted, then every signup raised OverflowError: a 500
+        ("5/s burst inf", "finite"),
+        ("5/s burst nan", "at least 1"),
+        ("1" + "0" * 400 + "/s", "finite"),
         ("fast", "not a rate"),
     ],
 )

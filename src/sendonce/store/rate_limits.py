@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -48,16 +49,16 @@ class Rate:
             raise ValueError(f"not a rate: {text!r} (use forms like 14/s, 50/min, 5/h)")
         count = float(match.group(1))
         seconds = float(match.group(2) or 1) * _PER[match.group(3).lower()]
-        if count <= 0 or seconds <= 0:
-            raise ValueError(f"a rate must be positive: {text!r}")
+        if not (0 < count < math.inf and 0 < seconds < math.inf):
+            raise ValueError(f"a rate must be positive and finite: {text!r}")
         if not burst.strip():
             return cls(count, seconds)
         try:
             size = float(burst)
         except ValueError:
             raise ValueError(f"not a burst: {text!r} (use forms like 50/min burst 10)") from None
-        if not size >= 1:  # a bucket that never holds a whole token would refuse everything, for ever
-            raise ValueError(f"a burst must be at least 1: {text!r}")
+        if not 1 <= size < math.inf:  # a bucket that never holds a whole token would refuse everything
+            raise ValueError(f"a burst must be at least 1, and finite: {text!r}")
         return cls(count, seconds, size)
 
 
