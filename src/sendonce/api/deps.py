@@ -6,6 +6,7 @@ import hmac
 from collections.abc import AsyncIterator
 from typing import Annotated
 
+import psycopg
 from fastapi import Depends, Request
 
 from sendonce.api.problems import Problem
@@ -18,7 +19,13 @@ _BEARER = {"WWW-Authenticate": "Bearer"}
 
 async def db(request: Request) -> AsyncIterator[Conn]:
     async with request.app.state.pool.connection() as conn:
-        yield conn
+        try:
+            yield conn
+        except psycopg.errors.ReadOnlySqlTransaction:
+            # This session's server takes no writes (a standby, a primary being demoted): a closed
+            # connection is not lent again, and its replacement may reach the new primary.
+            await conn.close()
+            raise
 
 
 def settings_of(request: Request) -> Settings:
