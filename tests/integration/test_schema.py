@@ -179,3 +179,29 @@ def test_database_enums_equal_python_enums(database_url: str) -> None:
             row = conn.execute("SELECT enum_range(NULL::sendonce." + name + ")::text[]").fetchone()
             assert row is not None
             assert list(row[0]) == values, name
+
+
+def test_0008_marks_give_ups_of_unknown_ambiguity_as_possibly_delivered(empty_database_url: str) -> None:
+    """Before 0008 a give-up after an ambiguous last attempt was not marked uncertain; a signup repeat
+    now re-queues a failed mail only if it is certainly undelivered, so such rows must be marked."""
+    from sendonce.store.migrations import _upgrade, available_migrations
+
+    before = [m for m in available_migrations() if m.version < 8]
+    with psycopg.connect(empty_database_url) as conn:
+        _upgrade(conn, before)
+        conn.execute(
+            "INSERT INTO sendonce.accounts (name, api_key_hash, from_email) VALUES ('a', 'h', 'a@example.test')"
+        )
+        for n, (status, error) in enumerate(
+            [("failed", "gave up after 8 failures: timeout"), ("failed", "550 no such user"), ("sent", None)]
+        ):
+            conn.execute(
+                "INSERT INTO sendonce.deliveries (account_id, job_id, kind, email, email_key, status, last_error) "
+                "SELECT account_id, %s, 'message', 'x@example.test', 'x@example.test', %s, %s FROM sendonce.accounts",
+                (f"message:1:{n}", status, error),
+            )
+        conn.commit()
+    upgrade(empty_database_url)
+    with psycopg.connect(empty_database_url) as conn:
+        rows = conn.execute("SELECT job_id, uncertain FROM sendonce.deliveries ORDER BY job_id").fetchall()
+    assert rows == [("message:1:0", True), ("message:1:1", False), ("message:1:2", False)]
