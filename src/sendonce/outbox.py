@@ -24,7 +24,6 @@ your idempotency key: enqueueing the same key twice queues one message (the seco
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -33,7 +32,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from sendonce.domain.addresses import parse_address
-from sendonce.domain.jobs import RESERVED_HEADERS
+from sendonce.domain.message import RESERVED_HEADERS, is_header_name
 from sendonce.errors import InvalidInput
 from sendonce.store.queries import query
 
@@ -52,10 +51,6 @@ def message_job_id(account_id: int, key: str) -> str:
     """The job id of a message enqueued with ``key``: the same key always gives the same id."""
     digest = hashlib.sha256(f"{account_id}\x1f{key}".encode()).hexdigest()[:40]
     return f"message:{digest}"
-
-
-_HEADER_NAME = re.compile(r"[!-9;-~]+")
-"""A header field name (RFC 5322): printable ASCII but the colon."""
 
 
 def _params(
@@ -77,7 +72,7 @@ def _params(
     if not 0 <= priority <= 99:
         raise InvalidInput("priority must be within 0..99 (campaign mail is 100)")
     for name, value in (headers or {}).items():
-        if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
+        if not isinstance(name, str) or not is_header_name(name):
             raise InvalidInput(f"{name!r} is not a header name (printable ASCII, no space, no colon)")
         if name.lower() in RESERVED_HEADERS:
             raise InvalidInput(f"the {name} header is written by sendonce")

@@ -9,9 +9,9 @@ from html import escape
 from typing import Any
 
 from sendonce.delivery.compose import ComposeError, Composer, Links, Sender, TransactionalComposer, wire_address
-from sendonce.domain.jobs import JOB_ID_HEADER, RESERVED_HEADERS, message_id
+from sendonce.domain.jobs import JOB_ID_HEADER, message_id
 from sendonce.domain.keys import SIGNUP_EVENT
-from sendonce.domain.message import OutgoingMessage, format_address
+from sendonce.domain.message import RESERVED_HEADERS, OutgoingMessage, format_address, is_header_name
 from sendonce.store.outbox import ClaimedDelivery
 
 _VERIFY_TEXT = {
@@ -86,8 +86,12 @@ def compose_message(delivery: ClaimedDelivery, sender: Sender, date: str) -> Out
     base = _base(delivery, sender, date, None)
     extra = payload.get("headers") or {}
     if isinstance(extra, dict):
-        # checked at enqueue (sendonce.outbox); rows written before that check are filtered here
-        base["headers"] += [(str(k), str(v)) for k, v in extra.items() if str(k).lower() not in RESERVED_HEADERS]
+        # checked at enqueue (sendonce.outbox); rows written before that check are checked here
+        for name, value in extra.items():
+            if not isinstance(name, str) or not is_header_name(name):
+                raise ComposeError(f"{name!r} is not a header name")
+            if name.lower() not in RESERVED_HEADERS:
+                base["headers"].append((name, str(value)))  # encode_header_value makes line breaks spaces
     return OutgoingMessage(subject=subject, text=text, html=html if isinstance(html, str) else None, **base)
 
 

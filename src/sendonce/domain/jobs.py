@@ -12,10 +12,6 @@ import re
 
 JOB_ID_HEADER = "Sendonce-Job-Id"
 
-RESERVED_HEADERS = frozenset(
-    {"from", "to", "subject", "date", "message-id", "mime-version", "content-type", JOB_ID_HEADER.lower()}
-)
-"""Headers sendonce writes itself (lower case): a transactional message's own headers cannot set them."""
 
 _JOB_ID = re.compile(r"^[a-z][a-z0-9_]*(:[A-Za-z0-9_\-]+)+$")
 

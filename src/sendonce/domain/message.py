@@ -16,8 +16,32 @@ from email.header import Header
 from email.utils import formataddr
 
 from sendonce.domain.dkim import DkimKey
+from sendonce.domain.jobs import JOB_ID_HEADER
 
 CRLF = "\r\n"
+
+RESERVED_HEADERS = frozenset(
+    {
+        "from",
+        "to",
+        "subject",
+        "date",
+        "message-id",
+        "mime-version",
+        "content-type",
+        "content-transfer-encoding",
+        "dkim-signature",
+        JOB_ID_HEADER.lower(),
+    }
+)
+"""Headers sendonce writes itself (lower case): a transactional message's own headers cannot set them."""
+
+_HEADER_NAME = re.compile(r"[!-9;-~]+")
+
+
+def is_header_name(name: str) -> bool:
+    """A header field name (RFC 5322): printable ASCII but the colon, nothing else."""
+    return _HEADER_NAME.fullmatch(name) is not None
 
 
 def encode_header_value(value: str, name: str) -> str:
