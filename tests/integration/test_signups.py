@@ -82,6 +82,43 @@ async def test_one_mail_for_repeated_requests_and_the_same_answer(
     assert signup(client, auth, origin="app").status_code == 201
 
 
+def test_a_repeat_takes_no_lock_and_writes_nothing_unless_it_changes_the_signup(
+    client: httpx.Client, database_url: str
+) -> None:
+    # A repeat inside an open window only reads: it is answered while another transaction holds the
+    # window row (before, each repeat locked it, so repeats of one address queued there one by one,
+    # and each wrote a new version of the signup row, flushed to disk at its commit).
+    _, auth = account(client)
+    first = signup(client, auth, name="Ann", locale="en")
+    assert first.status_code == 201
+    with psycopg.connect(database_url) as conn:
+        version = conn.execute("SELECT xmin::text FROM sendonce.signups").fetchone()
+        assert conn.execute("SELECT 1 FROM sendonce.signup_windows FOR UPDATE").fetchall() == [(1,)]
+        for extra in ({}, {"name": "Ann"}, {"name": "Ann", "locale": "en"}):
+            repeat = client.post(
+                "/v1/signups", json={"email": "ann@example.test", "origin": "web", **extra}, headers=auth, timeout=10
+            )
+            assert (repeat.status_code, repeat.text) == (200, first.text)
+        conn.rollback()
+        assert conn.execute("SELECT xmin::text FROM sendonce.signups").fetchone() == version
+    # a repeat that changes a field takes the locking way, and the change is kept
+    assert signup(client, auth, redirect_url="https://app.acme.test/next").status_code == 200
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT name, locale, redirect_url FROM sendonce.signups").fetchall() == [
+            ("Ann", "en", "https://app.acme.test/next")
+        ]
+        # verified: a repeat is answered "not needed", without a write either
+        conn.execute("UPDATE sendonce.signups SET status = 'verified'")
+        conn.commit()
+        version = conn.execute("SELECT xmin::text FROM sendonce.signups").fetchone()
+        conn.execute("SELECT 1 FROM sendonce.signup_windows FOR UPDATE")
+        repeat = signup(client, auth)
+        assert repeat.status_code == 200
+        assert repeat.json()["verification"] == "not_needed"
+        conn.rollback()
+        assert conn.execute("SELECT xmin::text FROM sendonce.signups").fetchone() == version
+
+
 async def test_concurrent_identical_requests_queue_one_mail(
     client: httpx.Client, api: ApiServer, database_url: str, inbox: Inbox
 ) -> None:

@@ -77,6 +77,14 @@ def _answer(stored: dict[str, Any] | None, fallback: dict[str, Any]) -> dict[str
     return {key: source[key] for key in ("signup_id", "status", "verification")}
 
 
+def _pending(signup_id: int) -> dict[str, Any]:
+    return {"signup_id": signup_id, "status": "pending", "verification": "queued"}
+
+
+def _verified(signup_id: int) -> dict[str, Any]:
+    return {"signup_id": signup_id, "status": "verified", "verification": "not_needed"}
+
+
 async def _one(conn: Conn, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
     return await (await conn.execute(query(name), params)).fetchone()
 
@@ -96,6 +104,28 @@ async def request_signup(
     verify_url: Callable[[str], str],
 ) -> SignupOutcome:
     aid = account.account_id
+    current, previous = keys.operation_keys(aid, SIGNUP_EVENT, address.key, origin)
+    if previous is None:  # during a secret rotation the previous key's window decides: the locking way
+        seen = await _one(
+            conn,
+            "peek_repeat",
+            {
+                "account_id": aid,
+                "email_key": address.key,
+                "origin": origin,
+                "name": name,
+                "locale": locale,
+                "redirect_url": redirect_url,
+                "operation_key": current,
+                "window": window,
+            },
+        )
+        if seen is not None:
+            signup_id = int(seen["signup_id"])
+            if seen["status"] == "verified":
+                return SignupOutcome(False, _verified(signup_id))
+            if seen["open"] and seen["answer"] is not None:
+                return SignupOutcome(False, _answer(seen["answer"], _pending(signup_id)))
     async with conn.transaction():
         suppressed = await _one(conn, "is_suppressed", {"account_id": aid, "email_key": address.key})
         if suppressed and suppressed["suppressed"]:
@@ -116,10 +146,8 @@ async def request_signup(
         assert signup is not None
         signup_id = int(signup["signup_id"])
         if signup["status"] == "verified":
-            return SignupOutcome(False, {"signup_id": signup_id, "status": "verified", "verification": "not_needed"})
-        pending = {"signup_id": signup_id, "status": "pending", "verification": "queued"}
-
-        current, previous = keys.operation_keys(aid, SIGNUP_EVENT, address.key, origin)
+            return SignupOutcome(False, _verified(signup_id))
+        pending = _pending(signup_id)
         if previous is not None:
             # A window opened under the previous secret is still the window: rotation neither
             # re-opens it nor lets two windows run at once.

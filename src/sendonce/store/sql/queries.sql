@@ -611,6 +611,29 @@ ON CONFLICT (account_id, email_key, origin) DO UPDATE
        updated_at = now()
 RETURNING signup_id, status;
 
+-- peek_repeat --
+-- A repeat answered without a lock or a write: the address is not suppressed, its signup exists and
+-- the request would change none of its fields, and the signup is verified, or the window under the
+-- current key is open (see lock_window) with its answer stored. Anything else goes the locking way
+-- (a first request, new field values, a window run out or whose mail certainly failed, a window that
+-- a transaction not yet committed is opening). Before this, every repeat updated the signup row and
+-- locked the window row: it wrote to disk at its commit, and concurrent repeats of one address went
+-- through that row one at a time. One statement, one snapshot: it answers what was true then.
+SELECT s.signup_id, s.status, w.answer,
+       w.opened_at > now() - %(window)s::interval
+       AND NOT EXISTS (SELECT 1 FROM sendonce.deliveries d
+                        WHERE d.account_id = w.account_id AND d.job_id = 'signup:' || w.window_id || ':' || w.generation
+                          AND d.status IN ('failed', 'suppressed') AND NOT d.uncertain) AS open
+  FROM sendonce.signups s
+  LEFT JOIN sendonce.signup_windows w
+    ON w.account_id = s.account_id AND w.operation_key = %(operation_key)s
+ WHERE s.account_id = %(account_id)s AND s.email_key = %(email_key)s AND s.origin = %(origin)s
+   AND (%(name)s::text IS NULL OR s.name IS NOT DISTINCT FROM %(name)s::text)
+   AND (%(locale)s::text IS NULL OR s.locale IS NOT DISTINCT FROM %(locale)s::text)
+   AND (%(redirect_url)s::text IS NULL OR s.redirect_url IS NOT DISTINCT FROM %(redirect_url)s::text)
+   AND NOT EXISTS (SELECT 1 FROM sendonce.suppressions x
+                    WHERE x.account_id = s.account_id AND x.email_key = s.email_key);
+
 -- lock_window --
 -- The window of an operation under a given key, locked; open is true while it has not run out and
 -- its mail is not certainly dead (see open_window).
