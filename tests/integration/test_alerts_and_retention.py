@@ -92,6 +92,36 @@ def test_a_replay_burst_raises_exactly_one_alert_and_normal_traffic_none(databas
         assert conn.execute("SELECT count(*) FROM sendonce.alerts").fetchone() == (1,)
 
 
+def test_an_alert_that_cannot_be_stored_leaves_the_committed_answer_standing(database_url: str) -> None:
+    # The alert is stored after the signup committed. A connection lost at that moment (here: the
+    # alert's insert ends its own session) must not turn the answer into a 503 "nothing was
+    # written": the repeat was answered from its window, and says so.
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "CREATE FUNCTION sendonce.test_end_session() RETURNS trigger LANGUAGE plpgsql AS $$"
+            " BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); RETURN NEW; END $$"
+        )
+        conn.execute(
+            "CREATE TRIGGER end_session BEFORE INSERT ON sendonce.alerts"
+            " FOR EACH ROW EXECUTE FUNCTION sendonce.test_end_session()"
+        )
+    with (
+        ApiServer(database_url, secret="x" * 32, abuse_min_repeats=15) as api,
+        httpx.Client(base_url=api.url, timeout=30) as c,
+    ):
+        auth = _account(c)
+        statuses = [
+            c.post("/v1/signups", json={"email": "loop@example.test", "origin": "app"}, headers=auth).status_code
+            for _ in range(40)
+        ]
+        assert statuses == [201] + [200] * 39
+        metrics = c.get("/metrics").text
+        assert 'sendonce_alerts_unrecorded_total{kind="replay_burst"} 1.0' in metrics
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM sendonce.alerts").fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM sendonce.deliveries").fetchone() == (1,)
+
+
 async def test_prune_archives_and_deletes_only_finished_old_rows(database_url: str, tmp_path: Path) -> None:
     finished = await campaign_setup(database_url, emails(5))
     with Inbox() as inbox:

@@ -26,6 +26,12 @@ class ApiMetrics:
             registry=self.registry,
         )
         self.alerts = Counter("sendonce_alerts", "Alerts raised", ["kind"], registry=self.registry)
+        self.alerts_unrecorded = Counter(
+            "sendonce_alerts_unrecorded",
+            "Alerts raised that could not be stored (a database error after the request committed); logged",
+            ["kind"],
+            registry=self.registry,
+        )
         self._clients: set[str] = set()
 
     def repeat(self, account_id: int, client: str, mechanism: str) -> None:

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from fastapi import Request
 
 from sendonce.api.abuse import AbuseDetector, Flag
@@ -47,12 +48,33 @@ class Services:
         return f"{self.settings.public_url.rstrip('/')}/v1/signups/verify?token={token}"
 
     async def record_flags(self, conn: Conn, flags: list[Flag]) -> None:
-        """Store new alerts (once per subject, kind and hour across processes); log and post them."""
+        """Store new alerts (once per subject, kind and hour across processes); log and post them.
+
+        Called after the request's own work committed: a database error here must not turn its
+        answer into an error (a 503 would say "nothing was written" about a signup that was), so
+        the alerts it could not store are logged and counted instead, and the answer stands.
+        """
         import time
 
         episode = str(int(time.time() // 3600))
-        for flag in flags:
-            alert = await alerts.raise_alert(conn, flag.account_id, flag.kind, flag.subject, episode, dict(flag.detail))
+        for index, flag in enumerate(flags):
+            try:
+                alert = await alerts.raise_alert(
+                    conn, flag.account_id, flag.kind, flag.subject, episode, dict(flag.detail)
+                )
+            except psycopg.Error as exc:
+                for lost in flags[index:]:
+                    self.metrics.alerts_unrecorded.labels(lost.kind).inc()
+                    logger.error(
+                        "alert %s for account %s could not be stored (%s): %s %s",
+                        lost.kind,
+                        lost.account_id,
+                        type(exc).__name__,
+                        lost.subject,
+                        lost.detail,
+                        extra={"action": "alert_unrecorded", "account_id": lost.account_id},
+                    )
+                return
             if alert is None:
                 continue
             self.metrics.alerts.labels(flag.kind).inc()
