@@ -140,6 +140,11 @@ def worker(
         ),
     ] = False,
     upgrade_schema: Annotated[bool, typer.Option("--upgrade/--no-upgrade", help="Apply migrations first.")] = True,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(min=0, max=65535, help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off)."),
+    ] = None,
+    metrics_host: Annotated[str, typer.Option(help="Address the metrics endpoint listens on.")] = "127.0.0.1",
 ) -> None:
     """Claim, send and record mail until stopped (SIGTERM: graceful)."""
     from sendonce.delivery.worker import WorkerConfig, run_until_signalled
@@ -167,7 +172,22 @@ def worker(
     except (SendonceError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
-    stats = asyncio.run(run_until_signalled(built))
+    metrics = None
+    if metrics_port is not None:
+        from sendonce.delivery.metrics import serve_metrics
+
+        try:
+            metrics, _ = serve_metrics(built, metrics_host, metrics_port)
+        except OSError as exc:
+            console.print(f"[red]error:[/red] cannot serve metrics on {metrics_host}:{metrics_port}: {exc}")
+            raise typer.Exit(2) from None
+        logger.info("metrics at http://%s:%d/metrics", metrics_host, metrics.server_port)
+    try:
+        stats = asyncio.run(run_until_signalled(built))
+    finally:
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
     logger.info("final: %s", stats)
 
 

@@ -480,3 +480,68 @@ async def test_a_held_row_that_renewal_found_locked_is_kept_with_its_deadline(da
     # a busy row of a campaign paused meanwhile is given back like any other unstarted row
     worker._apply_renewal(held[1:2], outbox.Renewal(renewed={}, busy={b.key: False}), lease_end=300.0)
     assert (held[1].lease_end, held[1].revoked, held[1].release) == (100.0, False, True)
+
+
+def _worker_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def test_a_read_only_database_is_retried_until_it_takes_writes_and_the_outage_shows_in_metrics(
+    database_url: str, inbox: Inbox
+) -> None:
+    # A failover that leaves the worker on a server that takes no writes (a standby, a demoted
+    # primary): reads work, every claim fails. The worker keeps trying (an outage ends), sends
+    # nothing meanwhile, shows the outage at /metrics, and sends everything once writes come back.
+    import httpx
+    import psycopg
+    from psycopg import sql
+
+    from sendonce.delivery.metrics import serve_metrics
+
+    await campaign_setup(database_url, emails(3))
+    admin = psycopg.connect(database_url, autocommit=True)
+    database = sql.Identifier(admin.info.dbname)
+    admin.execute(sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(database))
+    worker = Worker(database_url, transport_from_url(inbox.url), WorkerConfig(**FAST), composer=composer())
+    server, _ = serve_metrics(worker, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    task = asyncio.create_task(worker.run())
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            deadline = time.monotonic() + 30
+            while True:
+                metrics = _worker_metrics((await client.get(url)).text)
+                claim_outage = metrics.get(("sendonce_worker_database_outage_seconds", (("operation", "claim"),)), 0)
+                if metrics["sendonce_worker_database_failures_total", ()] >= 3 and claim_outage > 0:
+                    break
+                assert time.monotonic() < deadline, metrics
+                await asyncio.sleep(0.05)
+            assert not task.done()
+            assert inbox.messages == []
+            assert metrics["sendonce_worker_outcomes_total", (("outcome", "sent"),)] == 0
+
+            admin.execute(sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database))
+            assert await asyncio.to_thread(inbox.wait_for, 3)
+            deadline = time.monotonic() + 30
+            while True:
+                metrics = _worker_metrics((await client.get(url)).text)
+                outages = {k: v for k, v in metrics.items() if k[0] == "sendonce_worker_database_outage_seconds"}
+                if metrics["sendonce_worker_outcomes_total", (("outcome", "sent"),)] == 3 and not any(outages.values()):
+                    break
+                assert time.monotonic() < deadline, metrics
+                await asyncio.sleep(0.05)
+            assert ("sendonce_worker_database_outage_seconds", (("operation", "claim"),)) in outages
+        assert sorted(inbox.by_recipient().values()) == [1, 1, 1]
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 30)
+        server.shutdown()
+        server.server_close()
+        admin.execute(sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database))
+        admin.close()

@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import psycopg
 
 from sendonce.delivery.compose import ComposeError, ComposeLater, Composer, wire_address
+from sendonce.delivery.health import Outages
 from sendonce.domain.message import OutgoingMessage
 from sendonce.faults import NO_FAULTS, Faults
 from sendonce.notify import post_alert
@@ -238,6 +239,8 @@ class Worker:
         self.composer = composer
         self.faults = faults
         self.stats = WorkerStats()
+        self.outages = Outages()
+        """Database outages per operation: logged at their start, every minute and at their end."""
         self._held: dict[Key, Held] = {}
         self._ready: asyncio.Queue[Held | None] = asyncio.Queue()
         self._results: list[_Result] = []
@@ -260,6 +263,11 @@ class Worker:
         """Times the cursor was emptied (a claim in flight meanwhile must not move it on again)."""
         if faults.active:
             faults.witness = self._witness
+
+    @property
+    def held_count(self) -> int:
+        """Rows this worker holds now (claimed, not yet recorded or given back)."""
+        return len(self._held)
 
     # -- control -------------------------------------------------------------------------------
 
@@ -347,7 +355,7 @@ class Worker:
         after ``db_timeout``: the connection is thrown away and the caller retries on a new one.
         """
         try:
-            return await _bounded(self._db_call(lane, fn, *args), self.config.db_timeout)
+            result = await _bounded(self._db_call(lane, fn, *args), self.config.db_timeout)
         except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure) as exc:
             # Two transactions met on the same rows in different orders; PostgreSQL rolled this one
             # back whole. Nothing was written: the caller tries again.
@@ -356,14 +364,11 @@ class Worker:
         except (psycopg.Error, OSError, TimeoutError) as exc:
             if not isinstance(exc, TimeoutError) and not is_unavailable(exc):
                 raise
-            logger.warning(
-                "%s: database unavailable (%s); will retry",
-                what,
-                str(exc) or type(exc).__name__,
-                extra={"action": "db_unavailable"},
-            )
+            self.outages.failed(what, (str(exc) or type(exc).__name__).strip())
             await lane.reset()
             return None
+        self.outages.succeeded(what)
+        return result
 
     async def _db_call(self, lane: _Lane, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         return await fn(await lane.get(), *args)

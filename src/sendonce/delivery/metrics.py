@@ -1,0 +1,77 @@
+"""Prometheus metrics of a worker process (``sendonce worker --metrics-port``).
+
+The figures are read from the worker when the endpoint is scraped, so the send path pays nothing
+for them. Alert on ``sendonce_worker_database_outage_seconds > 60`` (an operation that has been
+failing for a minute: a database down, or left read-only after a failover) and on
+``sendonce_worker_fenced_out_total`` rising (outcomes refused because another worker had
+re-claimed the row: leases too short for the sends, or a worker cut off from the database).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from threading import Thread
+from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from sendonce.delivery.worker import Worker
+
+OUTCOMES = ("sent", "retried", "failed", "suppressed", "released", "deferred")
+
+
+class WorkerCollector(Collector):
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def collect(self) -> Iterator[Metric]:
+        worker = self.worker
+        stats = worker.stats
+        info = InfoMetricFamily("sendonce_worker", "This worker process")
+        info.add_metric([], {"name": worker.name, "transport": worker.transport.capabilities.name})
+        yield info
+        yield CounterMetricFamily("sendonce_worker_claimed", "Rows claimed", value=stats.claimed)
+        outcomes = CounterMetricFamily(
+            "sendonce_worker_outcomes", "Outcomes recorded (released: given back unsent)", labels=["outcome"]
+        )
+        for outcome in OUTCOMES:
+            outcomes.add_metric([outcome], getattr(stats, outcome))
+        yield outcomes
+        yield CounterMetricFamily(
+            "sendonce_worker_fenced_out",
+            "Outcomes refused because another worker had re-claimed the row (zombie completions stopped)",
+            value=stats.fenced_out,
+        )
+        yield CounterMetricFamily(
+            "sendonce_worker_lost_leases", "Rows dropped because their lease was lost", value=stats.lost_leases
+        )
+        yield CounterMetricFamily(
+            "sendonce_worker_dropped_past_deadline",
+            "Rows given back unsent because too little of their lease was left to start a send",
+            value=stats.dropped_past_deadline,
+        )
+        yield GaugeMetricFamily("sendonce_worker_held", "Rows this worker holds now", value=worker.held_count)
+        yield CounterMetricFamily(
+            "sendonce_worker_database_failures",
+            "Database calls that failed because the database was unavailable (each retried)",
+            value=worker.outages.failures,
+        )
+        outage = GaugeMetricFamily(
+            "sendonce_worker_database_outage_seconds",
+            "How long each database operation has been failing (0: it works)",
+            labels=["operation"],
+        )
+        for operation, seconds in sorted(worker.outages.seconds().items()):
+            outage.add_metric([operation], seconds)
+        yield outage
+
+
+def serve_metrics(worker: Worker, host: str, port: int) -> tuple[WSGIServer, Thread]:
+    """Serve ``/metrics`` for ``worker`` from a thread of its own; the server is shut down by the caller."""
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(worker))
+    return start_http_server(port, addr=host, registry=registry)
