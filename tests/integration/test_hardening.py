@@ -172,6 +172,22 @@ def test_odd_values_in_subscriber_rows_are_row_errors_not_500s(client: httpx.Cli
     assert _one(database_url, "SELECT count(*) FROM sendonce.subscribers") == (0,)
 
 
+def test_attributes_jsonb_cannot_hold_are_row_errors(client: httpx.Client, database_url: str) -> None:
+    _, auth = _account(client)
+    rows = [
+        {"email": "a@example.test", "attributes": {"city": "Lyon"}},
+        {"email": "b@example.test", "attributes": {"score": float("nan")}},
+        {"email": "c@example.test", "attributes": {"score": float("inf")}},
+        {"email": "d@example.test", "attributes": {"city": "\ud800"}},
+    ]
+    # Python's json writes NaN and Infinity, and escapes the lone surrogate: all are read back as sent
+    raw = {**auth, "Content-Type": "application/json"}
+    response = client.post("/v1/subscribers", content=json.dumps({"subscribers": rows}), headers=raw)
+    assert response.status_code == 200, response.text
+    assert (response.json()["created"], response.json()["errors"]) == (1, 3)
+    assert _one(database_url, "SELECT count(*) FROM sendonce.subscribers") == (1,)
+
+
 def _generic(client: httpx.Client, events: list[dict[str, Any]]) -> httpx.Response:
     body = json.dumps({"events": events}).encode()
     ts = str(int(time.time()))
@@ -241,3 +257,66 @@ async def test_unsubscribing_and_resubscribing_never_confirms_a_pending_membersh
     assert _one(
         database_url, "SELECT count(*) FROM sendonce.deliveries WHERE kind = 'list_confirmation_requested'"
     ) == (1,)
+
+
+def _refused(response: httpx.Response) -> dict[str, Any]:
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    body: dict[str, Any] = response.json()
+    return body
+
+
+@pytest.mark.parametrize("window", ["100000000000000", "1e20", "inf", "99999999999999d"])
+def test_a_signup_window_too_long_for_a_duration_is_a_422(client: httpx.Client, window: str) -> None:
+    _, auth = _account(client)
+    problem = _refused(client.patch("/v1/account", json={"signup_window": window}, headers=auth))
+    assert "signup_window" in problem["detail"]
+    assert client.get("/v1/account", headers=auth).json()["signup_window"] is None
+
+
+@pytest.mark.parametrize("when", ["9999-12-31T23:59:59-14:00", "0001-01-01T00:00:00+14:00"])
+@pytest.mark.parametrize("idempotency_key", [None, "approve-1"])
+def test_a_schedule_outside_the_calendar_is_refused_and_the_campaign_stays_a_draft(
+    client: httpx.Client, when: str, idempotency_key: str | None
+) -> None:
+    _, auth = _account(client)
+    lst = client.post("/v1/lists", json={"name": "l"}, headers=auth).json()["id"]
+    cid = client.post("/v1/campaigns", json={"name": "n", "subject": "s", "text": "t", "lists": [lst]}, headers=auth)
+    headers = {**auth, "Idempotency-Key": idempotency_key} if idempotency_key else auth
+    approve = client.post(f"/v1/campaigns/{cid.json()['id']}/approve", json={"scheduled_for": when}, headers=headers)
+    assert "scheduled_for" in _refused(approve)["detail"]
+    campaign = client.get(f"/v1/campaigns/{cid.json()['id']}", headers=auth)
+    assert campaign.status_code == 200, campaign.text
+    assert campaign.json()["status"] == "draft"
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ " + "(" * 200 + "name" + ")" * 200 + " }}",
+        "{{ name" + " | upper" * 1000 + " }}",
+        "{% if name %}" * 100 + "x" + "{% endif %}" * 100,
+    ],
+)
+def test_templates_nested_too_deeply_are_a_422(client: httpx.Client, database_url: str, template: str) -> None:
+    _, auth = _account(client)
+    lst = client.post("/v1/lists", json={"name": "l"}, headers=auth).json()["id"]
+    stored = client.post("/v1/templates", json={"name": "t", "subject": "s", "text": "x"}, headers=auth).json()["id"]
+    for method, path, body in [
+        ("POST", "/v1/templates", {"name": "t", "subject": "s", "text": template}),
+        ("PUT", f"/v1/templates/{stored}", {"name": "t", "subject": "s", "html": template}),
+        ("POST", "/v1/campaigns", {"name": "n", "subject": "s", "text": template, "lists": [lst]}),
+    ]:
+        assert "nested" in _refused(client.request(method, path, json=body, headers=auth))["detail"]
+    assert _one(database_url, "SELECT count(*), max(text_body) FROM sendonce.templates") == (1, "x")
+    assert _one(database_url, "SELECT count(*) FROM sendonce.campaigns") == (0,)
+
+
+@pytest.mark.parametrize("path", ["/v1/campaigns/{cid}/pause", "/v1/suppressions/import"])
+def test_a_deeply_nested_body_with_an_idempotency_key_is_not_a_500(client: httpx.Client, path: str) -> None:
+    _, auth = _account(client)
+    lst = client.post("/v1/lists", json={"name": "l"}, headers=auth).json()["id"]
+    cid = client.post("/v1/campaigns", json={"name": "n", "subject": "s", "text": "t", "lists": [lst]}, headers=auth)
+    headers = {**auth, "Idempotency-Key": "k1", "Content-Type": "text/csv"}
+    response = client.post(path.format(cid=cid.json()["id"]), content="[" * 100_000, headers=headers)
+    assert response.status_code < 500, response.text

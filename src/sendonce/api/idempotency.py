@@ -44,7 +44,7 @@ class _NotStored(Exception):
 def _request_hash(request: Request, body: bytes) -> str:
     try:
         canonical = json.dumps(json.loads(body), sort_keys=True, separators=(",", ":")).encode()
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
         canonical = body
     digest = hashlib.sha256()
     for part in (request.method.encode(), request.url.path.encode(), request.url.query.encode(), canonical):

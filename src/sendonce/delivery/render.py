@@ -130,6 +130,9 @@ def compile_template(
         template = env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise TemplateError(f"{field}: template syntax error on line {exc.lineno}: {exc.message}") from None
+    except (RecursionError, SyntaxError):
+        # Jinja parses recursively and compiles to Python, which caps nesting (blocks, parentheses)
+        raise TemplateError(f"{field}: the template is nested too deeply") from None
     if allowed is not None:
         unknown = sorted(variables - set(allowed))
         if unknown:
@@ -174,7 +177,7 @@ def inline_css(html: str) -> str:
     try:
         before = meta.find_undeclared_variables(_HTML.parse(html))
         after = meta.find_undeclared_variables(_HTML.parse(inlined))
-    except jinja2.TemplateSyntaxError:
+    except (jinja2.TemplateSyntaxError, RecursionError):
         return html
     return inlined if before == after else html
 
@@ -190,7 +193,7 @@ def attribute_keys(*sources: str | None) -> set[str]:
             continue
         try:
             tree = _TEXT.parse(source)
-        except jinja2.TemplateSyntaxError:
+        except (jinja2.TemplateSyntaxError, RecursionError):
             continue
         for node in tree.find_all((nodes.Getattr, nodes.Getitem)):
             assert isinstance(node, nodes.Getattr | nodes.Getitem)

@@ -15,9 +15,11 @@ def parse_duration(text: str) -> timedelta:
     if not cleaned:
         raise ValueError("empty duration")
     try:
-        return timedelta(seconds=float(cleaned))
+        seconds = float(cleaned)
     except ValueError:
         pass
+    else:
+        return _seconds(seconds, text)
     pos = 0
     total = 0.0
     for match in _PART.finditer(cleaned):
@@ -27,4 +29,11 @@ def parse_duration(text: str) -> timedelta:
         pos = match.end()
     if pos == 0 or cleaned[pos:].strip():
         raise ValueError(f"not a duration: {text!r} (use forms like 90s, 15m, 1h, 7d)")
-    return timedelta(seconds=total)
+    return _seconds(total, text)
+
+
+def _seconds(seconds: float, text: str) -> timedelta:
+    try:
+        return timedelta(seconds=seconds)
+    except (OverflowError, ValueError):  # longer than a timedelta holds (about 2.7 million years), inf, nan
+        raise ValueError(f"not a duration a clock can hold: {text!r}") from None

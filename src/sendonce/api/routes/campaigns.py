@@ -154,6 +154,11 @@ async def _cas(conn: Db, account_id: int, campaign_id: int, action: str, body: A
         scheduled_for = body.scheduled_for
         if scheduled_for.tzinfo is None:
             scheduled_for = scheduled_for.replace(tzinfo=UTC)
+        try:
+            # Stored and read back in UTC: a time at either end of the calendar may not exist there.
+            scheduled_for = scheduled_for.astimezone(UTC)
+        except OverflowError:
+            raise Problem(422, "scheduled_for must fall within the years 1 to 9999 in UTC") from None
     result = await store.transition(conn, account_id, campaign_id, action, scheduled_for=scheduled_for)
     if result.won:
         assert result.status is not None

@@ -61,9 +61,10 @@ def _attributes(value: Any) -> dict[str, Any] | None:
     if not all(isinstance(k, str) and k.isidentifier() and len(k) <= 64 for k in value):
         raise RowError("attribute names must be identifiers (letters, digits, _) of at most 64 characters")
     try:
-        size = len(json.dumps(value))
+        size = len(json.dumps(value, allow_nan=False))
+        json.dumps(value, ensure_ascii=False).encode()  # a lone surrogate: jsonb cannot hold it
     except (TypeError, ValueError):
-        raise RowError("attributes must be JSON values") from None
+        raise RowError("attributes must be JSON values (no NaN or Infinity, valid Unicode)") from None
     if size > MAX_ATTRIBUTES_BYTES or "\\u0000" in json.dumps(value):
         raise RowError(f"attributes must be at most {MAX_ATTRIBUTES_BYTES} bytes of JSON, without NUL characters")
     return value
