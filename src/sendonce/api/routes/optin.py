@@ -57,7 +57,19 @@ async def confirm_page(request: Request, token: Annotated[str, Query(max_length=
     return _page("Confirm your subscription", "One click to confirm:", form)
 
 
-@router.post("/v1/lists/confirm")
+@router.post(
+    "/v1/lists/confirm",
+    # The route reads the body itself (JSON, or the form of the page): documented here for clients.
+    openapi_extra={
+        "requestBody": {
+            "content": {
+                media_type: {"schema": ConfirmIn.model_json_schema()}
+                for media_type in ("application/json", "application/x-www-form-urlencoded")
+            },
+            "required": True,
+        }
+    },
+)
 async def confirm(request: Request, conn: Db) -> Response:
     """Confirm a double opt-in membership: JSON ``{token}`` or the page's form. Idempotent."""
     human = request.headers.get("content-type", "").split(";")[0].strip().lower() == "application/x-www-form-urlencoded"

@@ -155,7 +155,19 @@ def _verify_payload(request: Request, token: str) -> dict[str, object]:
         raise Problem(400, "this verification link is not valid", kind="token-invalid", title="Invalid link") from None
 
 
-@router.post("/v1/signups/verify")
+@router.post(
+    "/v1/signups/verify",
+    # The route reads the body itself (JSON, or the form of the page): documented here for clients.
+    openapi_extra={
+        "requestBody": {
+            "content": {
+                media_type: {"schema": VerifyIn.model_json_schema()}
+                for media_type in ("application/json", "application/x-www-form-urlencoded")
+            },
+            "required": True,
+        }
+    },
+)
 async def verify(request: Request, conn: Db) -> Response:
     """Verify a signup with the token of its link: JSON ``{token}``, or the form of the GET page.
 

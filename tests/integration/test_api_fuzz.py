@@ -1,0 +1,418 @@
+"""The whole HTTP API, fuzzed from its own OpenAPI schema (schemathesis), against the real app under
+uvicorn and real PostgreSQL. The rule it checks: bad input gets a 4xx problem details answer (RFC 9457)
+and writes nothing; no input gets a 500, and the only 5xx is a 503 (an unavailable dependency).
+
+Every operation gets valid requests as generated, the same made to look like real use (existing ids,
+real addresses, templates, signed tokens, CSV files, Idempotency-Keys), and invalid requests. Ids of
+objects that exist are mixed in with made-up ones, so routes are reached past their 404s.
+Derandomized: CI sends the same requests every time. SENDONCE_FUZZ_EXAMPLES=500 searches longer.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from collections.abc import Callable, Iterator
+from contextlib import closing
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from psycopg import sql
+from schemathesis import Case, GenerationMode, Response
+from schemathesis.core.result import Ok
+
+from sendonce.delivery.compose import Links
+from sendonce.domain.keys import KeyRing
+from sendonce.store.signups import VERIFY_PURPOSE
+from sendonce.store.subscribers import OPTIN_PURPOSE
+from tests.conftest import ApiServer
+from tests.helpers import PUBLIC_URL, TEST_SECRET
+
+ADMIN = {"Authorization": "Bearer test-admin-token"}
+EXAMPLES = int(os.environ.get("SENDONCE_FUZZ_EXAMPLES", "20"))
+"""Per operation and mode: about 2,000 requests in all by default."""
+
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=[Phase.explicit, Phase.generate, Phase.shrink],
+    # Each example is an HTTP request to a real server, and the realistic strategies are nested
+    # flatmaps: Hypothesis's speed and data-size health checks are made for in-memory tests.
+    suppress_health_check=list(HealthCheck),
+)
+
+
+class Ledger:
+    """Which tables requests wrote, read from row versions: a row created or updated carries the id of
+    its transaction (``xmin``), and the rows of a transaction that rolled back are never visible.
+    (Deletions leave nothing to read; no route deletes anything on the way to an error.)"""
+
+    def __init__(self, database_url: str) -> None:
+        self.conn = psycopg.connect(database_url, autocommit=True)
+        tables = [
+            name for (name,) in self.conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'sendonce'")
+        ]
+        # age(xmin) counts the transactions started since the row's: rows written by a transaction that
+        # started after `since` (a full transaction id, so this holds across wraparound too).
+        self.query = sql.SQL(" UNION ALL ").join(
+            sql.SQL(
+                "SELECT {name}, count(*) FROM sendonce.{table}"
+                " WHERE age(xmin) <= pg_snapshot_xmax(pg_current_snapshot())::text::bigint - %(since)s"
+            ).format(name=sql.Literal(name), table=sql.Identifier(name))
+            for name in tables
+        )
+        self.since = self._next_xid()
+
+    def _next_xid(self) -> int:
+        row = self.conn.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint").fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def written(self) -> list[str]:
+        """The tables written since the last call."""
+        rows = self.conn.execute(self.query, {"since": self.since}).fetchall()
+        self.since = self._next_xid()
+        return [name for name, n in rows if n]
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def test_the_ledger_sees_committed_writes_only(database_url: str) -> None:
+    insert = "INSERT INTO sendonce.accounts (name, from_email, api_key_hash) VALUES ('a', 'a@acme.test', '')"
+    with closing(Ledger(database_url)) as ledger, psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(insert)
+        assert ledger.written() == ["accounts"]
+        with conn.transaction(force_rollback=True):
+            conn.execute(insert)
+            conn.execute("UPDATE sendonce.accounts SET name = 'b'")
+        assert ledger.written() == []
+        conn.execute("UPDATE sendonce.accounts SET name = 'b'")
+        assert ledger.written() == ["accounts"]
+
+
+def _media_type(response: Response) -> str:
+    values = response.headers.get("content-type") or [""]
+    return values[0].split(";")[0].strip().lower()
+
+
+def _is_page(case: Case[Any]) -> bool:
+    """Routes that answer people with HTML (links in mail): their errors are pages, not JSON."""
+    documented = case.operation.definition.raw.get("responses", {}).get("200", {}).get("content", {})
+    return "text/html" in documented
+
+
+def check(case: Case[Any], response: Response, written: list[str]) -> None:
+    status = response.status_code
+    problem = (
+        f"{case.method} {case.formatted_path} query={case.query!r} body={str(case.body)[:300]!r} "
+        f"answered {status}: {response.content[:600]!r}"
+    )
+    assert status < 500 or status == 503, problem
+    if status < 400:
+        return
+    assert not written, f"{problem}, and wrote to {written}"
+    if _is_page(case) and _media_type(response) == "text/html":
+        return
+    assert _media_type(response) == "application/problem+json", problem
+    body = json.loads(response.content)
+    assert isinstance(body.get("detail"), str) and body["detail"], problem
+    assert body.get("status") == status, problem
+
+
+@pytest.fixture
+def api(database_url: str) -> Iterator[ApiServer]:
+    with ApiServer(database_url, webhook_secret="hook-secret") as server:
+        yield server
+
+
+@dataclass
+class Existing:
+    """An account with one of each object, so generated requests can name things that exist."""
+
+    auth: dict[str, str]
+    path: dict[str, list[Any]]
+    """Values of path parameters that name something."""
+    fields: dict[str, st.SearchStrategy[Any]]
+    """Realistic values of body fields and query parameters, by name."""
+    new_draft: Callable[[], int]
+    """Create a draft campaign: approving one is the first step of everything a campaign does."""
+
+
+EARLIEST, LATEST = timezone(timedelta(hours=23, minutes=59)), timezone(-timedelta(hours=23, minutes=59))
+MOMENTS = st.sampled_from(
+    [datetime.min, datetime.max, datetime.min.replace(tzinfo=EARLIEST), datetime.max.replace(tzinfo=LATEST)]
+).map(datetime.isoformat) | st.tuples(
+    st.datetimes(), st.none() | st.integers(-1439, 1439).map(lambda minutes: timezone(timedelta(minutes=minutes)))
+).map(lambda parts: parts[0].replace(tzinfo=parts[1]).isoformat())
+"""ISO 8601 times in any zone or none, the first and last ones Python can hold among them."""
+
+NEW_DRAFT = 7_777_777_777_777
+"""A ``campaign_id`` replaced, just before the request, by a draft made for it."""
+
+
+def _existing(api: ApiServer) -> Existing:
+    with httpx.Client(base_url=api.url, timeout=30) as c:
+        account = c.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
+        auth = {"Authorization": f"Bearer {account['api_key']}"}
+
+        def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            response = c.post(path, json=body, headers=auth)
+            assert response.status_code in (200, 201), response.text
+            answer: dict[str, Any] = response.json()
+            return answer
+
+        lists = [
+            post("/v1/lists", {"name": "weekly"})["id"],
+            post("/v1/lists", {"name": "news", "opt_in": "double"})["id"],
+        ]
+        subscriber = {"email": "ann@example.test", "lists": lists, "attributes": {"city": "Lyon"}}
+        subscriber_id = post("/v1/subscribers", {"subscribers": [subscriber]})["results"][0]["id"]
+        template_id = post("/v1/templates", {"name": "t", "subject": "Hi {{ name }}", "text": "{{ attributes.city }}"})[
+            "id"
+        ]
+        # Its template reads an attribute that most subscribers will lack: approving it is refused.
+        campaign_id = post("/v1/campaigns", {"name": "c", "template_id": template_id, "lists": lists})["id"]
+        approved_id = post("/v1/campaigns", {"name": "a", "subject": "s", "text": "x", "lists": lists})["id"]
+        post(f"/v1/campaigns/{approved_id}/approve", {"scheduled_for": "2100-01-01T00:00:00Z"})
+        post("/v1/suppressions", {"email": "gone@example.test"})
+        signup_id = post("/v1/signups", {"email": "sam@example.test", "origin": "web"})["signup_id"]
+    keys = KeyRing(TEST_SECRET.encode())
+
+    def new_draft() -> int:
+        body = {"name": "draft", "subject": "Hi {{ name }}", "text": "x", "lists": lists}
+        response = httpx.post(f"{api.url}/v1/campaigns", json=body, headers=auth, timeout=30)
+        assert response.status_code == 201, response.text
+        return int(response.json()["id"])
+
+    emails = st.emails() | st.sampled_from(
+        ["ann@example.test", "Ann@EXAMPLE.test", "gone@example.test", "zoë@bücher.example", "a@xn--bcher-kva.example"]
+    )
+    list_ids = st.sampled_from(lists)
+    attributes = st.dictionaries(
+        st.sampled_from(["city", "x", "first_name"]), st.none() | st.integers() | st.text(max_size=20), max_size=3
+    )
+    template = st.sampled_from(
+        [
+            "Hi {{ name }}",
+            "{{ attributes.city }}",
+            "{% if attributes.x is defined %}{{ attributes.x }}{% endif %} {{ email | upper }}",
+            "<style>p { color: red }</style><p>{{ unsubscribe_url }}</p>",
+        ]
+    ) | st.text(min_size=1, max_size=40)
+    return Existing(
+        auth=auth,
+        new_draft=new_draft,
+        path={
+            "account_id": [account["id"]],
+            "campaign_id": [NEW_DRAFT, campaign_id, approved_id],
+            "template_id": [template_id],
+            "email": ["gone@example.test", "Ann@example.test"],
+            "token": [Links(keys, PUBLIC_URL).unsubscribe_token(account["id"], subscriber_id, campaign_id)],
+            "provider": ["generic", "resend", "postmark", "sendgrid", "ses"],
+        },
+        fields={
+            "email": emails,
+            "from_email": emails,
+            "lists": st.lists(list_ids, min_size=1, max_size=3),
+            "list": list_ids,
+            "signup_list_id": list_ids,
+            "template_id": st.just(template_id),
+            "subscriber_id": st.just(subscriber_id),
+            "origin": st.sampled_from(["web", "App", " ios ", "backend"]),
+            "status": st.sampled_from(["pending", "confirmed", "unsubscribed", "bounced"]),
+            "attributes": attributes,
+            "signup_window": st.just("default")
+            | st.from_regex(r"(\d{1,20}(\.\d{1,3})? ?(ms|s|m|h|d|w)?){1,2}", fullmatch=True),
+            "scheduled_for": MOMENTS,
+            "since": MOMENTS,
+            "subject": template,
+            "text": template,
+            "html": template,
+            "subscribers": st.lists(
+                st.fixed_dictionaries(
+                    {"email": emails},
+                    optional={
+                        "name": st.text(max_size=30),
+                        "lists": st.lists(list_ids, max_size=2),
+                        "status": st.sampled_from(["pending", "confirmed", "unsubscribed"]),
+                        "attributes": attributes,
+                    },
+                ),
+                min_size=1,
+                max_size=5,
+            ),
+            # Signed links: a signup's verification, a double opt-in confirmation.
+            "token": st.sampled_from(
+                [
+                    keys.sign(VERIFY_PURPOSE, {"a": account["id"], "s": signup_id, "w": 1, "g": 1}),
+                    keys.sign(OPTIN_PURPOSE, {"a": account["id"], "l": lists[1], "s": subscriber_id}),
+                ]
+            ),
+        },
+    )
+
+
+def _csv(emails: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    """CSV files with an email column first, a few other columns, and cells of any text."""
+    header = st.sampled_from([["email"], ["Email", "name", "status"], ["email", "reason"], ["email", "city", ""]])
+
+    def write(rows: list[list[str]]) -> str:
+        out = io.StringIO()
+        csv.writer(out).writerows(rows)
+        return out.getvalue()
+
+    def rows(columns: list[str]) -> st.SearchStrategy[str]:
+        row = st.tuples(emails | st.text(max_size=20), *[st.text(max_size=20)] * (len(columns) - 1)).map(list)
+        return st.lists(row, min_size=1, max_size=5).map(lambda rows: write([columns, *rows]))
+
+    return header.flatmap(rows)
+
+
+def _realistic(value: Any, fields: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
+    """``value`` with the members named in ``fields`` (at any depth) replaced by realistic values."""
+    if isinstance(value, dict):
+        return st.fixed_dictionaries({k: fields[k] if k in fields else _realistic(v, fields) for k, v in value.items()})
+    if isinstance(value, list):
+        return st.tuples(*(_realistic(v, fields) for v in value)).map(list)
+    return st.just(value)
+
+
+def _documented_members(case: Case[Any]) -> set[str]:
+    """The members the operation's JSON body may have."""
+    content = case.operation.definition.raw.get("requestBody", {}).get("content", {})
+    schema = content.get("application/json", {}).get("schema", {})
+    if "$ref" in schema:
+        schema = case.operation.schema.raw_schema["components"]["schemas"][schema["$ref"].rsplit("/", 1)[-1]]
+    return set(schema.get("properties", {}))
+
+
+def _body(case: Case[Any], existing: Existing) -> st.SearchStrategy[Any]:
+    if case.media_type == "text/csv":
+        return _csv(existing.fields["email"])
+    realistic = _realistic(case.body, existing.fields)
+    if not isinstance(case.body, dict):
+        return realistic
+    # Optional members the generator left out, with realistic values (a campaign with a subject...).
+    missing = {k: existing.fields[k] for k in _documented_members(case) - set(case.body) if k in existing.fields}
+    return st.tuples(realistic, st.fixed_dictionaries(missing)).map(lambda parts: {**parts[1], **parts[0]})
+
+
+IDEMPOTENCY_KEYS = st.none() | st.text(
+    # Printable ASCII and a non-ASCII letter: what a client can put in a header. Control characters
+    # (DEL) are refused by the HTTP parser before the app sees the request.
+    st.characters(min_codepoint=0x21, max_codepoint=0x7E) | st.just("é"),
+    min_size=1,
+    max_size=300,
+)
+
+
+def _with_realistic_data(case: Case[Any], existing: Existing) -> st.SearchStrategy[Case[Any]]:
+    def build(parts: tuple[Any, Any, str | None]) -> Case[Any]:
+        case.body, case.query, key = parts
+        if key is not None:
+            case.headers["Idempotency-Key"] = key
+        return case
+
+    return st.tuples(
+        _body(case, existing),
+        _realistic(case.query, existing.fields),
+        IDEMPOTENCY_KEYS if case.method == "POST" else st.none(),
+    ).map(build)
+
+
+MODES = ("positive", "realistic", "negative")
+"""Valid requests as the schema allows them; the same with ids, addresses, templates, times and CSV
+files made to look like real use; invalid requests (a wrong type, a value out of range...)."""
+
+
+def _strategy(operation: Any, mode: str, existing: Existing) -> st.SearchStrategy[Case[Any]]:
+    """Cases as generated, and with path parameters that name something that exists."""
+    generation = GenerationMode.NEGATIVE if mode == "negative" else GenerationMode.POSITIVE
+    strategies = [operation.as_strategy(generation_mode=generation)]
+    names = [p.name for p in operation.path_parameters]
+    if names and all(name in existing.path for name in names):
+        strategies += [
+            operation.as_strategy(generation_mode=generation, path_parameters={name: value})
+            for name in names
+            for value in existing.path[name]
+        ]
+    cases = st.one_of(strategies)
+    if mode == "realistic":
+        return cases.flatmap(lambda case: _with_realistic_data(case, existing))
+    return cases
+
+
+def _mutable(operation: Any) -> bool:
+    """Whether the operation has any input that negative generation can make invalid."""
+    return any(len(part) for part in (operation.path_parameters, operation.query, operation.headers)) or bool(
+        list(operation.body)
+    )
+
+
+UNREACHABLE = {"POST /v1/webhooks/{provider}"}
+"""Operations no generated request gets a 2xx from: webhooks need the provider's signature."""
+
+
+@dataclass
+class Fuzzer:
+    """Sends the generated requests of one operation to the API, and checks every answer."""
+
+    base_url: str
+    session: requests.Session
+    ledger: Ledger
+    existing: Existing
+    succeeded: set[str]
+    """Operations that answered at least one request with a 2xx: the fuzzing got past validation."""
+
+    def run(self, operation: Any, mode: str) -> None:
+        headers = ADMIN if operation.path.startswith("/v1/accounts") else self.existing.auth
+
+        @SETTINGS
+        @given(case=_strategy(operation, mode, self.existing))
+        def fuzz(case: Case[Any]) -> None:
+            if case.path_parameters and case.path_parameters.get("campaign_id") == NEW_DRAFT:
+                case.path_parameters = {**case.path_parameters, "campaign_id": self.existing.new_draft()}
+                self.ledger.written()  # the draft is not the request's doing
+            response = case.call(
+                base_url=self.base_url, session=self.session, headers=headers, timeout=30, allow_redirects=False
+            )
+            check(case, response, self.ledger.written())
+            if 200 <= response.status_code < 300:
+                self.succeeded.add(operation.label)
+
+        fuzz()
+
+
+def test_no_generated_request_gets_a_500_a_bare_error_or_a_partial_write(api: ApiServer, database_url: str) -> None:
+    existing = _existing(api)
+    schema = schemathesis.openapi.from_url(f"{api.url}/openapi.json", config=schemathesis.Config())
+    operations = []
+    for result in schema.get_all_operations():
+        assert isinstance(result, Ok), result
+        operations.append(result.ok())
+    failures: dict[str, str] = {}
+    with closing(Ledger(database_url)) as ledger, requests.Session() as session:
+        fuzzer = Fuzzer(api.url, session, ledger, existing, succeeded=set())
+        for operation in operations:
+            for mode in MODES:
+                if mode == "negative" and not _mutable(operation):
+                    continue
+                try:
+                    fuzzer.run(operation, mode)
+                except Exception as exc:  # every operation is fuzzed; the failures are reported together
+                    failures[f"{operation.label} ({mode})"] = f"{type(exc).__name__}: {str(exc)[:1500]}"
+    assert not failures, "\n".join(f"{label}: {message}" for label, message in failures.items())
+    assert {operation.label for operation in operations} - fuzzer.succeeded == UNREACHABLE
