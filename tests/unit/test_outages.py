@@ -55,3 +55,18 @@ def test_operations_fail_and_recover_apart(caplog: pytest.LogCaptureFixture) -> 
     clock.now += 5
     outages.succeeded("claim")
     assert outages.seconds() == {"claim": 0.0, "record": 5.0}
+
+
+def test_an_operation_not_called_again_stops_counting_once_others_work(caplog: pytest.LogCaptureFixture) -> None:
+    # The look for the next due row failed during a restart; then the claims find work for hours
+    # and it is not called: its outage must end with the database's, not climb for ever.
+    clock = Clock()
+    outages = Outages(quiet=30, clock=clock)
+    outages.failed("next wakeup", "connection refused")
+    clock.now += 10
+    outages.succeeded("claim")  # 10 s since its last failure: it may still be failing
+    assert outages.seconds() == {"next wakeup": 10.0}
+    clock.now += 25
+    outages.succeeded("claim")
+    assert outages.seconds() == {"next wakeup": 0.0}
+    assert _lines(caplog)[-1] == "next wakeup: database available again after 0.0 s and 1 failures"

@@ -10,8 +10,10 @@ would need someone to start it again. It retries instead, and makes the outage v
   (``sendonce_worker_database_outage_seconds``): a standby promoted late, or a database left
   read-only, shows as a claim that fails for minutes while reads still work.
 
-Operations are counted apart because they fail apart: a read-only server answers the look for the
-next due row and refuses every claim.
+Operations are counted apart because they can fail apart: a read-only server answers reads and
+refuses every write (claims, records, renewals). One operation's state is shared by the lanes that run
+it (two recorders, say): a lane whose calls keep failing while another's work is logged as outages
+that end and start again, not as one.
 """
 
 from __future__ import annotations
@@ -29,11 +31,18 @@ class _Outage:
     since: float
     failures: int
     reminded_at: float
+    failed_at: float
 
 
 class Outages:
-    def __init__(self, *, remind_every: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, *, remind_every: float = 60.0, quiet: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.remind_every = remind_every
+        self.quiet = quiet
+        """An operation that has not failed for this long, while another one works, is no longer
+        failing: some operations are called only now and then (the look for the next due row runs
+        only when a claim finds nothing), and their outage must not outlive the database's."""
         self._clock = clock
         self._open: dict[str, _Outage] = {}
         self._seen: set[str] = set()
@@ -46,7 +55,7 @@ class Outages:
         self._seen.add(operation)
         outage = self._open.get(operation)
         if outage is None:
-            self._open[operation] = _Outage(since=now, failures=1, reminded_at=now)
+            self._open[operation] = _Outage(since=now, failures=1, reminded_at=now, failed_at=now)
             logger.warning(
                 "%s: database unavailable (%s); retrying until it answers",
                 operation,
@@ -55,6 +64,7 @@ class Outages:
             )
             return
         outage.failures += 1
+        outage.failed_at = now
         if now - outage.reminded_at >= self.remind_every:
             outage.reminded_at = now
             logger.warning(
@@ -69,15 +79,17 @@ class Outages:
     def succeeded(self, operation: str) -> None:
         if not self._open:  # the common case: one dict test per database call
             return
-        outage = self._open.pop(operation, None)
-        if outage is not None:
-            logger.warning(
-                "%s: database available again after %.1f s and %d failures",
-                operation,
-                self._clock() - outage.since,
-                outage.failures,
-                extra={"action": "db_available", "operation": operation},
-            )
+        now = self._clock()
+        for name, outage in list(self._open.items()):
+            if name == operation or now - outage.failed_at >= self.quiet:
+                del self._open[name]
+                logger.warning(
+                    "%s: database available again after %.1f s and %d failures",
+                    name,
+                    (now if name == operation else outage.failed_at) - outage.since,
+                    outage.failures,
+                    extra={"action": "db_available", "operation": name},
+                )
 
     def seconds(self) -> dict[str, float]:
         """How long each operation that ever failed has been failing now (0: it works again)."""

@@ -239,7 +239,8 @@ class Worker:
         self.composer = composer
         self.faults = faults
         self.stats = WorkerStats()
-        self.outages = Outages()
+        # an operation still failing fails again within a retry (5 s at most) or a renewal (lease / 3)
+        self.outages = Outages(quiet=max(10.0, self.config.lease))
         """Database outages per operation: logged at their start, every minute and at their end."""
         self._held: dict[Key, Held] = {}
         self._ready: asyncio.Queue[Held | None] = asyncio.Queue()
