@@ -67,7 +67,9 @@ def test_a_replay_burst_raises_exactly_one_alert_and_normal_traffic_none(databas
     import time
 
     with (
-        ApiServer(database_url, secret="x" * 32, alert_webhook_url=hook.url, abuse_min_repeats=15) as api,
+        ApiServer(
+            database_url, secret="x" * 32, alert_webhook_url=hook.url, abuse_min_repeats=15, abuse_window="1h"
+        ) as api,
         httpx.Client(base_url=api.url, timeout=30) as c,
     ):
         auth = _account(c)
@@ -92,7 +94,9 @@ def test_a_replay_burst_raises_exactly_one_alert_and_normal_traffic_none(databas
         assert conn.execute("SELECT count(*) FROM sendonce.alerts").fetchone() == (1,)
 
 
-def test_an_alert_that_cannot_be_stored_leaves_the_committed_answer_standing(database_url: str) -> None:
+def test_an_alert_that_cannot_be_stored_leaves_the_committed_answer_standing(database_url: str, hook: Hook) -> None:
+    import time
+
     # The alert is stored after the signup committed. A connection lost at that moment (here: the
     # alert's insert ends its own session) must not turn the answer into a 503 "nothing was
     # written": the repeat was answered from its window, and says so.
@@ -106,7 +110,10 @@ def test_an_alert_that_cannot_be_stored_leaves_the_committed_answer_standing(dat
             " FOR EACH ROW EXECUTE FUNCTION sendonce.test_end_session()"
         )
     with (
-        ApiServer(database_url, secret="x" * 32, abuse_min_repeats=15) as api,
+        # one bucket for the whole test, so where the clock's bucket boundary falls cannot split the burst
+        ApiServer(
+            database_url, secret="x" * 32, abuse_min_repeats=15, abuse_window="1h", alert_webhook_url=hook.url
+        ) as api,
         httpx.Client(base_url=api.url, timeout=30) as c,
     ):
         auth = _account(c)
@@ -117,6 +124,12 @@ def test_an_alert_that_cannot_be_stored_leaves_the_committed_answer_standing(dat
         assert statuses == [201] + [200] * 39
         metrics = c.get("/metrics").text
         assert 'sendonce_alerts_unrecorded_total{kind="replay_burst"} 1.0' in metrics
+        deadline = time.monotonic() + 10
+        while not hook.posts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [(p["kind"], p["subject"], p["stored"], p["id"]) for p in hook.posts] == [
+            ("replay_burst", "client:127.0.0.1", False, None)
+        ]
     with psycopg.connect(database_url) as conn:
         assert conn.execute("SELECT count(*) FROM sendonce.alerts").fetchone() == (0,)
         assert conn.execute("SELECT count(*) FROM sendonce.deliveries").fetchone() == (1,)

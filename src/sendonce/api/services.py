@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -17,7 +18,7 @@ from sendonce.faults import Faults
 from sendonce.notify import post_alert
 from sendonce.settings import Settings
 from sendonce.store import alerts
-from sendonce.store.database import Conn
+from sendonce.store.database import Conn, is_unavailable
 from sendonce.store.feedback import FeedbackPolicy
 from sendonce.store.signups import SignupLimits
 from sendonce.webhooks import WebhookConfig
@@ -63,6 +64,8 @@ class Services:
                     conn, flag.account_id, flag.kind, flag.subject, episode, dict(flag.detail)
                 )
             except psycopg.Error as exc:
+                if is_unavailable(exc):  # not lent again (a standby's session, say): deps.db does not see it
+                    await conn.close()
                 for lost in flags[index:]:
                     self.metrics.alerts_unrecorded.labels(lost.kind).inc()
                     logger.error(
@@ -73,6 +76,18 @@ class Services:
                         lost.subject,
                         lost.detail,
                         extra={"action": "alert_unrecorded", "account_id": lost.account_id},
+                    )
+                    # The detector raises a flag once per episode: the webhook is its only other trace.
+                    self.notify(
+                        lost.account_id,
+                        {
+                            "id": None,
+                            "kind": lost.kind,
+                            "subject": lost.subject,
+                            "detail": dict(lost.detail),
+                            "created_at": datetime.now(UTC),
+                            "stored": False,
+                        },
                     )
                 return
             if alert is None:
