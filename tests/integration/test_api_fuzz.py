@@ -120,7 +120,9 @@ def check(case: Case[Any], response: Response, written: list[str]) -> None:
         f"{case.method} {case.formatted_path} query={case.query!r} body={str(case.body)[:300]!r} "
         f"answered {status}: {response.content[:600]!r}"
     )
-    assert status < 500 or status == 503, problem
+    # The database is up all along: the one 503 that may come is SNS's, whose signing certificate
+    # lives on the internet this test does not reach.
+    assert status < 500 or (status == 503 and case.formatted_path.endswith("/ses")), problem
     if status < 400:
         return
     assert not written, f"{problem}, and wrote to {written}"
@@ -396,6 +398,7 @@ class Fuzzer:
         fuzz()
 
 
+@pytest.mark.timeout(900)  # about 2,000 requests: 30 s on 2 cores, longer with SENDONCE_FUZZ_EXAMPLES
 def test_no_generated_request_gets_a_500_a_bare_error_or_a_partial_write(api: ApiServer, database_url: str) -> None:
     existing = _existing(api)
     schema = schemathesis.openapi.from_url(f"{api.url}/openapi.json", config=schemathesis.Config())

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from psycopg import sql
 
 from sendonce.delivery.compose import Links
 from sendonce.delivery.worker import WorkerConfig
@@ -188,6 +189,26 @@ def test_attributes_jsonb_cannot_hold_are_row_errors(client: httpx.Client, datab
     assert _one(database_url, "SELECT count(*) FROM sendonce.subscribers") == (1,)
 
 
+def test_attributes_nested_near_the_parsers_limit_are_row_errors_and_a_backslash_u_text_is_kept(
+    client: httpx.Client, database_url: str
+) -> None:
+    _, auth = _account(client)
+    raw = {**auth, "Content-Type": "application/json"}
+    # Somewhere in this range the body parses (near the top of the stack) and the attributes' checks,
+    # called deeper, pass the recursion limit: each depth is a 4xx or a row error, never a 500.
+    for depth in range(900, 1000, 4):
+        attributes = '{"deep": ' + "[" * depth + "]" * depth + "}"
+        body = '{"subscribers": [{"email": "deep@example.test", "attributes": ' + attributes + "}]}"
+        response = client.post("/v1/subscribers", content=body, headers=raw)
+        assert response.status_code < 500, (depth, response.text)
+    # the text \u0000 (a backslash, then u0000) is not a NUL character
+    text = {"email": "path@example.test", "attributes": {"path": "C:\\u0000dir"}}
+    response = client.post("/v1/subscribers", json={"subscribers": [text]}, headers=auth)
+    assert (response.status_code, response.json()["created"]) == (200, 1), response.text
+    stored = _one(database_url, "SELECT attributes->>'path' FROM sendonce.subscribers WHERE email = %s", text["email"])
+    assert stored == ("C:\\u0000dir",)
+
+
 def _generic(client: httpx.Client, events: list[dict[str, Any]]) -> httpx.Response:
     body = json.dumps({"events": events}).encode()
     ts = str(int(time.time()))
@@ -288,6 +309,30 @@ def test_a_schedule_outside_the_calendar_is_refused_and_the_campaign_stays_a_dra
     campaign = client.get(f"/v1/campaigns/{cid.json()['id']}", headers=auth)
     assert campaign.status_code == 200, campaign.text
     assert campaign.json()["status"] == "draft"
+
+
+@pytest.mark.parametrize(
+    ("zone", "when"), [("Asia/Tokyo", "9999-12-31T20:00:00Z"), ("America/Los_Angeles", "0001-01-01T02:00:00Z")]
+)
+def test_a_schedule_at_the_end_of_the_calendar_reads_back_whatever_the_servers_time_zone(
+    database_url: str, zone: str, when: str
+) -> None:
+    # Read back in Tokyo, 9999-12-31 20:00 UTC is in year 10000: stored, then unreadable (every read of
+    # the campaign a 422). sendonce's sessions read times in UTC, whatever the server's zone says.
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        name = sql.Identifier(conn.info.dbname)
+        conn.execute(sql.SQL("ALTER DATABASE {} SET timezone = {}").format(name, sql.Literal(zone)))
+    with ApiServer(database_url) as api, httpx.Client(base_url=api.url, timeout=30) as client:
+        _, auth = _account(client)
+        lst = client.post("/v1/lists", json={"name": "l"}, headers=auth).json()["id"]
+        cid = client.post(
+            "/v1/campaigns", json={"name": "n", "subject": "s", "text": "t", "lists": [lst]}, headers=auth
+        ).json()["id"]
+        approve = client.post(f"/v1/campaigns/{cid}/approve", json={"scheduled_for": when}, headers=auth)
+        assert approve.status_code == 200, approve.text
+        campaign = client.get(f"/v1/campaigns/{cid}", headers=auth)
+        assert campaign.status_code == 200, campaign.text
+        assert campaign.json()["status"] == "approved"
 
 
 @pytest.mark.parametrize(

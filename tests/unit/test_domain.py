@@ -41,7 +41,9 @@ def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == timedelta(seconds=seconds)
 
 
-@pytest.mark.parametrize("bad", ["", "soon", "10x", "1h tomorrow", "m", "1e20", "inf", "nan", "99999999999999d"])
+@pytest.mark.parametrize(
+    "bad", ["", "soon", "10x", "1h tomorrow", "m", "1e20", "inf", "nan", "99999999999999d", "-86400", "-1"]
+)
 def test_parse_duration_refuses_garbage(bad: str) -> None:
     with pytest.raises(ValueError, match="duration"):
         parse_duration(bad)

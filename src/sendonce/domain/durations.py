@@ -33,6 +33,8 @@ def parse_duration(text: str) -> timedelta:
 
 
 def _seconds(seconds: float, text: str) -> timedelta:
+    if seconds < 0:  # `outbox prune --older-than -1d` would remove every finished row
+        raise ValueError(f"a duration cannot be negative: {text!r}")
     try:
         return timedelta(seconds=seconds)
     except (OverflowError, ValueError):  # longer than a timedelta holds (about 2.7 million years), inf, nan

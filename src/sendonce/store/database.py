@@ -47,11 +47,17 @@ def is_unavailable(exc: BaseException) -> bool:
 # snapshot taken after the claim's row locks. A database's or role's default of another isolation
 # level would make the first fail with serialization errors and the second blind (it refuses to run
 # then), so every session of sendonce's own sets it back.
-_SESSION_SETUP = b"SET default_transaction_isolation = 'read committed'"
+#
+# And UTC: times are read back in the session's time zone, and a time the API accepted (converted to
+# UTC, years 1 to 9999) may not exist in another zone: 9999-12-31 20:00 UTC is year 10000 in Tokyo, which
+# PostgreSQL stores and psycopg cannot read, after the write has committed.
+_SESSION_SETUP = (
+    b"SELECT set_config('default_transaction_isolation', 'read committed', false), set_config('timezone', 'UTC', false)"
+)
 
 
 async def configure_session(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Make ``conn`` a sendonce session: READ COMMITTED, whatever the server's defaults say."""
+    """Make ``conn`` a sendonce session: READ COMMITTED and UTC, whatever the server's defaults say."""
     await conn.execute(_SESSION_SETUP)
     if not conn.autocommit:
         await conn.commit()

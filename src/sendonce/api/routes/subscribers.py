@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -51,6 +52,23 @@ def _list_ids(value: Any) -> list[int]:
 
 
 MAX_ATTRIBUTES_BYTES = 8192
+MAX_ATTRIBUTES_DEPTH = 32
+# NUL escaped by JSON (jsonb refuses it), not the text \u0000 (its backslash is escaped: \\u0000)
+_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists and objects more than ``limit`` levels deep (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _attributes(value: Any) -> dict[str, Any] | None:
@@ -60,12 +78,16 @@ def _attributes(value: Any) -> dict[str, Any] | None:
         raise RowError("attributes must be an object")
     if not all(isinstance(k, str) and k.isidentifier() and len(k) <= 64 for k in value):
         raise RowError("attribute names must be identifiers (letters, digits, _) of at most 64 characters")
+    if _deeper_than(value, MAX_ATTRIBUTES_DEPTH):
+        # Every later step that walks the value (our checks, psycopg's JSON dumps) recurses, each from
+        # deeper in the stack: a value the body parser just took could fail any of them.
+        raise RowError(f"attributes must not be nested more than {MAX_ATTRIBUTES_DEPTH} levels deep")
     try:
-        size = len(json.dumps(value, allow_nan=False))
+        encoded = json.dumps(value, allow_nan=False)
         json.dumps(value, ensure_ascii=False).encode()  # a lone surrogate: jsonb cannot hold it
     except (TypeError, ValueError):
         raise RowError("attributes must be JSON values (no NaN or Infinity, valid Unicode)") from None
-    if size > MAX_ATTRIBUTES_BYTES or "\\u0000" in json.dumps(value):
+    if len(encoded) > MAX_ATTRIBUTES_BYTES or _ESCAPED_NUL.search(encoded):
         raise RowError(f"attributes must be at most {MAX_ATTRIBUTES_BYTES} bytes of JSON, without NUL characters")
     return value
 
