@@ -284,14 +284,15 @@ def outbox_prune(
     except ValueError as exc:
         console.print(f"[red]error:[/red] --older-than: {exc}")
         raise typer.Exit(2) from None
-    url = _database_url(_settings())
+    settings = _settings()
+    url = _database_url(settings)
 
     async def run() -> tuple[int, int]:
         removed = 0
         async with await connect(url) as conn:
             while True:
                 async with conn.transaction():
-                    rows = await outbox.prune(conn, age)
+                    rows = await outbox.prune(conn, age, signup_window=settings.signup_window)
                     if rows and archive is not None and not dry_run:
                         with archive.open("a", encoding="utf-8") as handle:
                             for row in rows:

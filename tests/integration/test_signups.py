@@ -221,6 +221,18 @@ async def test_a_suppressed_address_gets_a_clear_422_and_no_mail(
     assert inbox.messages == []
 
 
+def test_an_address_suppressed_inside_its_window_is_refused_on_repeat(client: httpx.Client) -> None:
+    # The window is open and its answer stored, but the address bounced since: a repeat is told so,
+    # not "queued" (the read-only way to answer a repeat checks the suppressions too).
+    _, auth = account(client)
+    assert signup(client, auth).status_code == 201
+    assert signup(client, auth).status_code == 200
+    client.post("/v1/suppressions", json={"email": "ann@example.test", "reason": "bounce"}, headers=auth)
+    repeat = signup(client, auth)
+    assert repeat.status_code == 422, repeat.text
+    assert repeat.json()["type"].endswith("address-suppressed")
+
+
 def test_another_accounts_registrations_are_invisible(client: httpx.Client) -> None:
     _, alice = account(client)
     _, bob = account(client)
@@ -292,6 +304,27 @@ async def test_a_repeat_after_the_windows_mail_failed_queues_it_again(
     assert signup(client, auth).status_code == 200
     with psycopg.connect(database_url) as conn:
         assert conn.execute("SELECT count(*) FROM sendonce.deliveries").fetchone() == (1 if ambiguous else 2,)
+
+
+async def test_pruning_keeps_the_failed_mail_of_an_open_window(client: httpx.Client, database_url: str) -> None:
+    # `outbox prune --older-than` shorter than the signup window: the certainly failed mail of a window
+    # still open must stay, or the next repeat reads the window as healthy and is told "queued".
+    from datetime import timedelta
+
+    from sendonce.store import outbox
+
+    _, auth = account(client)
+    assert signup(client, auth).status_code == 201
+    with Inbox(faults=InboxFaults(temp_fail=1.0)) as broken:
+        await run_to_drain(database_url, transport_from_url(broken.url), replace(DRAIN, max_failures=1))
+    with psycopg.connect(database_url) as conn:
+        conn.execute("UPDATE sendonce.deliveries SET updated_at = now() - interval '2 hours'")
+    async with await connect(database_url) as conn:
+        assert await outbox.prune(conn, timedelta(hours=1), signup_window=timedelta(hours=1)) == []
+        assert signup(client, auth).status_code == 201  # the dead mail was read: queued again
+        # the failed mail now belongs to a window that was replaced: it may go
+        pruned = await outbox.prune(conn, timedelta(hours=1), signup_window=timedelta(hours=1))
+        assert [(row["status"], row["job_id"].endswith(":1")) for row in pruned] == [("failed", True)]
 
 
 async def test_verify_once_twice_forged_and_expired(database_url: str, inbox: Inbox) -> None:

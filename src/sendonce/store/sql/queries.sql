@@ -632,7 +632,10 @@ SELECT s.signup_id, s.status, w.answer,
    AND (%(locale)s::text IS NULL OR s.locale IS NOT DISTINCT FROM %(locale)s::text)
    AND (%(redirect_url)s::text IS NULL OR s.redirect_url IS NOT DISTINCT FROM %(redirect_url)s::text)
    AND NOT EXISTS (SELECT 1 FROM sendonce.suppressions x
-                    WHERE x.account_id = s.account_id AND x.email_key = s.email_key);
+                    WHERE x.account_id = s.account_id AND x.email_key = s.email_key)
+   -- a standby (a failover under way) may lag behind a mail that failed on the primary: the locking
+   -- way refuses to run there (503), and the client's retry reaches the primary
+   AND NOT pg_is_in_recovery();
 
 -- lock_window --
 -- The window of an operation under a given key, locked; open is true while it has not run out and
@@ -799,6 +802,15 @@ WITH doomed AS (
             OR EXISTS (SELECT 1 FROM sendonce.campaigns c
                         WHERE c.account_id = d.account_id AND c.campaign_id = d.campaign_id
                           AND c.status IN ('sent', 'cancelled')))
+       -- The mail of a signup window still open, if it certainly failed, stays: a repeat reads it to
+       -- queue the mail again (open_window); gone, the repeat would be told "queued" for a dead mail.
+       AND NOT (d.operation_key IS NOT NULL AND d.status IN ('failed', 'suppressed') AND NOT d.uncertain
+                AND EXISTS (SELECT 1 FROM sendonce.signup_windows w
+                              JOIN sendonce.accounts a ON a.account_id = w.account_id
+                             WHERE w.account_id = d.account_id
+                               AND w.operation_key = split_part(d.operation_key, ':', 1)
+                               AND d.operation_key = w.operation_key || ':' || w.generation
+                               AND w.opened_at > now() - coalesce(a.signup_window, %(signup_window)s::interval)))
      ORDER BY d.delivery_id
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
