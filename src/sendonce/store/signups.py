@@ -105,31 +105,31 @@ async def request_signup(
 ) -> SignupOutcome:
     aid = account.account_id
     current, previous = keys.operation_keys(aid, SIGNUP_EVENT, address.key, origin)
-    if previous is None:  # during a secret rotation the previous key's window decides: the locking way
-        seen = await _one(
-            conn,
-            "peek_repeat",
-            {
-                "account_id": aid,
-                "email_key": address.key,
-                "origin": origin,
-                "name": name,
-                "locale": locale,
-                "redirect_url": redirect_url,
-                "operation_key": current,
-                "window": window,
-            },
-        )
-        if seen is not None:
-            signup_id = int(seen["signup_id"])
-            if seen["status"] == "verified":
-                return SignupOutcome(False, _verified(signup_id))
-            if seen["open"] and seen["answer"] is not None:
-                return SignupOutcome(False, _answer(seen["answer"], _pending(signup_id)))
+    seen = await _one(
+        conn,
+        "peek_repeat",
+        {
+            "account_id": aid,
+            "email_key": address.key,
+            "origin": origin,
+            "name": name,
+            "locale": locale,
+            "redirect_url": redirect_url,
+            "operation_key": current,
+            "window": window,
+        },
+    )
+    assert seen is not None
+    if seen["suppressed"]:
+        raise AddressSuppressed
+    # during a secret rotation the previous key's window decides: the locking way
+    if seen["signup_id"] is not None and previous is None:
+        signup_id = int(seen["signup_id"])
+        if seen["status"] == "verified":
+            return SignupOutcome(False, _verified(signup_id))
+        if seen["open"] and seen["answer"] is not None:
+            return SignupOutcome(False, _answer(seen["answer"], _pending(signup_id)))
     async with conn.transaction():
-        suppressed = await _one(conn, "is_suppressed", {"account_id": aid, "email_key": address.key})
-        if suppressed and suppressed["suppressed"]:
-            raise AddressSuppressed
         signup = await _one(
             conn,
             "upsert_signup",
@@ -157,7 +157,13 @@ async def request_signup(
         opened = await _one(
             conn,
             "open_window",
-            {"account_id": aid, "operation_key": current, "signup_id": signup_id, "window": window},
+            {
+                "account_id": aid,
+                "operation_key": current,
+                "signup_id": signup_id,
+                "window": window,
+                "answer": Jsonb(pending),
+            },
         )
         if opened is None:
             answer = await _one(conn, "lock_window", {"account_id": aid, "operation_key": current, "window": window})
@@ -199,9 +205,6 @@ async def request_signup(
         wait = await rate_limits.take(conn, aid, f"signup:account:{shard}", limits.per_account_shard)
         if wait is not None:
             raise RateLimited(wait, "account")
-        await conn.execute(
-            query("set_window_answer"), {"account_id": aid, "operation_key": current, "answer": Jsonb(pending)}
-        )
         return SignupOutcome(True, pending)
 
 

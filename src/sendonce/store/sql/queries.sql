@@ -612,30 +612,36 @@ ON CONFLICT (account_id, email_key, origin) DO UPDATE
 RETURNING signup_id, status;
 
 -- peek_repeat --
--- A repeat answered without a lock or a write: the address is not suppressed, its signup exists and
--- the request would change none of its fields, and the signup is verified, or the window under the
--- current key is open (see lock_window) with its answer stored. Anything else goes the locking way
--- (a first request, new field values, a window run out or whose mail certainly failed, a window that
--- a transaction not yet committed is opening). Before this, every repeat updated the signup row and
--- locked the window row: it wrote to disk at its commit, and concurrent repeats of one address went
--- through that row one at a time. One statement, one snapshot: it answers what was true then.
-SELECT s.signup_id, s.status, w.answer,
-       w.opened_at > now() - %(window)s::interval
-       AND NOT EXISTS (SELECT 1 FROM sendonce.deliveries d
-                        WHERE d.account_id = w.account_id AND d.job_id = 'signup:' || w.window_id || ':' || w.generation
-                          AND d.status IN ('failed', 'suppressed') AND NOT d.uncertain) AS open
-  FROM sendonce.signups s
-  LEFT JOIN sendonce.signup_windows w
-    ON w.account_id = s.account_id AND w.operation_key = %(operation_key)s
- WHERE s.account_id = %(account_id)s AND s.email_key = %(email_key)s AND s.origin = %(origin)s
-   AND (%(name)s::text IS NULL OR s.name IS NOT DISTINCT FROM %(name)s::text)
-   AND (%(locale)s::text IS NULL OR s.locale IS NOT DISTINCT FROM %(locale)s::text)
-   AND (%(redirect_url)s::text IS NULL OR s.redirect_url IS NOT DISTINCT FROM %(redirect_url)s::text)
-   AND NOT EXISTS (SELECT 1 FROM sendonce.suppressions x
-                    WHERE x.account_id = s.account_id AND x.email_key = s.email_key)
-   -- a standby (a failover under way) may lag behind a mail that failed on the primary: the locking
-   -- way refuses to run there (503), and the client's retry reaches the primary
-   AND NOT pg_is_in_recovery();
+-- Whether the address is suppressed, and a repeat answered without a lock or a write: the signup
+-- exists and the request would change none of its fields, and the signup is verified, or the window
+-- under the current key is open (see lock_window) with its answer stored. signup_id NULL: nothing to
+-- answer from, the request goes the locking way (a first request, new field values, a window run out
+-- or whose mail certainly failed, a window that a transaction not yet committed is opening). Before
+-- this, every repeat updated the signup row and locked the window row: it wrote to disk at its commit,
+-- and concurrent repeats of one address went through that row one at a time. One statement, one
+-- snapshot: it answers what was true then. (The worker re-checks suppressions when it claims the mail.)
+SELECT EXISTS (SELECT 1 FROM sendonce.suppressions x
+                WHERE x.account_id = %(account_id)s AND x.email_key = %(email_key)s) AS suppressed,
+       r.signup_id, r.status, r.answer, r.open
+  FROM (VALUES (1)) AS one (x)
+  LEFT JOIN LATERAL (
+      SELECT s.signup_id, s.status, w.answer,
+             w.opened_at > now() - %(window)s::interval
+             AND NOT EXISTS (SELECT 1 FROM sendonce.deliveries d
+                              WHERE d.account_id = w.account_id
+                                AND d.job_id = 'signup:' || w.window_id || ':' || w.generation
+                                AND d.status IN ('failed', 'suppressed') AND NOT d.uncertain) AS open
+        FROM sendonce.signups s
+        LEFT JOIN sendonce.signup_windows w
+          ON w.account_id = s.account_id AND w.operation_key = %(operation_key)s
+       WHERE s.account_id = %(account_id)s AND s.email_key = %(email_key)s AND s.origin = %(origin)s
+         AND (%(name)s::text IS NULL OR s.name IS NOT DISTINCT FROM %(name)s::text)
+         AND (%(locale)s::text IS NULL OR s.locale IS NOT DISTINCT FROM %(locale)s::text)
+         AND (%(redirect_url)s::text IS NULL OR s.redirect_url IS NOT DISTINCT FROM %(redirect_url)s::text)
+         -- a standby (a failover under way) may lag behind a mail that failed on the primary: the
+         -- locking way refuses to run there (503), and the client's retry reaches the primary
+         AND NOT pg_is_in_recovery()
+  ) AS r ON true;
 
 -- lock_window --
 -- The window of an operation under a given key, locked; open is true while it has not run out and
@@ -656,20 +662,18 @@ SELECT w.window_id, w.generation, w.answer,
 -- "queued" for a mail that is dead. A row back: this request opened a window (its generation numbers
 -- it). No row: a window is open, and this request is a repeat. Atomic under concurrency: the
 -- conflicting row is locked, and the condition is evaluated on its latest committed version.
-INSERT INTO sendonce.signup_windows AS w (account_id, operation_key, signup_id)
-VALUES (%(account_id)s, %(operation_key)s, %(signup_id)s)
+-- answer: what the window's first request is answered, and every repeat after it (the transaction
+-- that opens the window writes its mail too, or nothing at all).
+INSERT INTO sendonce.signup_windows AS w (account_id, operation_key, signup_id, answer)
+VALUES (%(account_id)s, %(operation_key)s, %(signup_id)s, %(answer)s)
 ON CONFLICT (account_id, operation_key) DO UPDATE
-   SET generation = w.generation + 1, opened_at = now(), answer = NULL, signup_id = EXCLUDED.signup_id
+   SET generation = w.generation + 1, opened_at = now(), answer = EXCLUDED.answer,
+       signup_id = EXCLUDED.signup_id
  WHERE w.opened_at <= now() - %(window)s::interval
     OR EXISTS (SELECT 1 FROM sendonce.deliveries d
                 WHERE d.account_id = w.account_id AND d.job_id = 'signup:' || w.window_id || ':' || w.generation
                   AND d.status IN ('failed', 'suppressed') AND NOT d.uncertain)
 RETURNING window_id, generation;
-
--- set_window_answer --
--- Remember the answer the window's first request got: every repeat gets the same body.
-UPDATE sendonce.signup_windows SET answer = %(answer)s
- WHERE account_id = %(account_id)s AND operation_key = %(operation_key)s;
 
 -- insert_operation --
 -- The outbox event of a transactional operation, keyed by its operation key (and window). No id
@@ -678,11 +682,6 @@ INSERT INTO sendonce.deliveries (account_id, job_id, kind, priority, email, emai
 VALUES (%(account_id)s, %(job_id)s, %(kind)s, 0, %(email)s, %(email_key)s, %(payload)s, %(operation_key)s)
 ON CONFLICT (account_id, operation_key) WHERE operation_key IS NOT NULL DO NOTHING
 RETURNING delivery_id;
-
--- is_suppressed --
--- Whether an address is suppressed for an account.
-SELECT EXISTS (SELECT 1 FROM sendonce.suppressions
-                WHERE account_id = %(account_id)s AND email_key = %(email_key)s) AS suppressed;
 
 -- verify_signup --
 -- CAS pending -> verified. No row back: already verified (or no such signup).
