@@ -16,6 +16,13 @@ Name = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max
 EmailText = Annotated[str, StringConstraints(max_length=320)]
 
 
+def json_or_form_body(model: type[BaseModel]) -> dict[str, object]:
+    """``openapi_extra`` for a route that reads its body itself, as JSON or as a page's form."""
+    schema = {"schema": model.model_json_schema()}
+    media_types = ("application/json", "application/x-www-form-urlencoded")
+    return {"requestBody": {"content": dict.fromkeys(media_types, schema), "required": True}}
+
+
 class AccountIn(BaseModel):
     name: Name
     from_email: EmailText

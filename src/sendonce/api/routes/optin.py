@@ -10,6 +10,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, StringConstraints
 
 from sendonce.api.deps import Db
+from sendonce.api.models import json_or_form_body
 from sendonce.api.problems import Problem
 from sendonce.api.services import services_of
 from sendonce.domain.keys import ExpiredToken, InvalidToken
@@ -59,16 +60,7 @@ async def confirm_page(request: Request, token: Annotated[str, Query(max_length=
 
 @router.post(
     "/v1/lists/confirm",
-    # The route reads the body itself (JSON, or the form of the page): documented here for clients.
-    openapi_extra={
-        "requestBody": {
-            "content": {
-                media_type: {"schema": ConfirmIn.model_json_schema()}
-                for media_type in ("application/json", "application/x-www-form-urlencoded")
-            },
-            "required": True,
-        }
-    },
+    openapi_extra=json_or_form_body(ConfirmIn),  # the route reads its body itself: documented for clients
 )
 async def confirm(request: Request, conn: Db) -> Response:
     """Confirm a double opt-in membership: JSON ``{token}`` or the page's form. Idempotent."""

@@ -11,6 +11,7 @@ from pydantic import BaseModel, StringConstraints
 
 from sendonce.api.deps import CurrentAccount, Db
 from sendonce.api.idempotency import idempotent
+from sendonce.api.models import json_or_form_body
 from sendonce.api.problems import Problem
 from sendonce.api.services import services_of
 from sendonce.domain.addresses import InvalidAddress, parse_address
@@ -157,16 +158,7 @@ def _verify_payload(request: Request, token: str) -> dict[str, object]:
 
 @router.post(
     "/v1/signups/verify",
-    # The route reads the body itself (JSON, or the form of the page): documented here for clients.
-    openapi_extra={
-        "requestBody": {
-            "content": {
-                media_type: {"schema": VerifyIn.model_json_schema()}
-                for media_type in ("application/json", "application/x-www-form-urlencoded")
-            },
-            "required": True,
-        }
-    },
+    openapi_extra=json_or_form_body(VerifyIn),  # the route reads its body itself: documented for clients
 )
 async def verify(request: Request, conn: Db) -> Response:
     """Verify a signup with the token of its link: JSON ``{token}``, or the form of the GET page.
