@@ -66,6 +66,28 @@ async def test_messages_arrive_byte_for_byte(pipelining: bool) -> None:
     assert inbox.pipelined_envelopes == (5 if pipelining else 0)
 
 
+def test_pipelining_under_uvloop() -> None:
+    """The worker runs on uvloop, whose transports are not ``asyncio.Transport`` subclasses: the
+    channel takes the connection over all the same (an isinstance check once turned pipelining off
+    there, silently: every message then took four round trips)."""
+    uvloop = pytest.importorskip("uvloop")
+    messages = [_message(n) for n in range(3)]
+
+    async def send_all(inbox: Inbox) -> bool:
+        channel = _channel(inbox)
+        try:
+            for message in messages:
+                assert isinstance(await channel.send(message, timeout=5), Accepted)
+            return channel.pipelined
+        finally:
+            await channel.close()
+
+    with Inbox(pipelining=True) as inbox:
+        assert uvloop.run(send_all(inbox)) is True
+    assert [m.data for m in inbox.messages] == [m.as_bytes() for m in messages]
+    assert inbox.pipelined_envelopes == 3
+
+
 async def test_a_server_without_pipelining_gets_one_command_at_a_time() -> None:
     with Inbox(pipelining=False) as inbox:
         channel = _channel(inbox)

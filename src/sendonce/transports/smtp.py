@@ -28,6 +28,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import aiosmtplib
 from aiosmtplib import SMTPResponse
@@ -97,6 +98,13 @@ def wire_content(data: bytes) -> bytes:
     if not data.endswith(b"\r\n"):
         data += b"\r\n"
     return data + b".\r\n"
+
+
+def _can_take_over(transport: object) -> TypeGuard[asyncio.Transport]:
+    """Whether the channel can read this connection's replies itself: a stream transport whose
+    protocol can be swapped. Duck-typed: uvloop's transports have the whole interface but are not
+    subclasses of ``asyncio.Transport`` (an isinstance check silently turned pipelining off there)."""
+    return all(callable(getattr(transport, name, None)) for name in ("set_protocol", "write", "abort", "is_closing"))
 
 
 class _Replies(asyncio.Protocol):
@@ -265,10 +273,11 @@ class SmtpChannel(Channel):
         self._smtp = smtp
         self._smtputf8 = smtp.supports_extension("smtputf8")
         self._8bitmime = smtp.supports_extension("8bitmime")
-        if s.pipelining and smtp.supports_extension("pipelining") and isinstance(smtp.transport, asyncio.Transport):
+        transport = smtp.transport
+        if s.pipelining and smtp.supports_extension("pipelining") and _can_take_over(transport):
             # Handshake done, no reply pending: from here on this channel reads the replies itself.
-            pipe = _Replies(smtp.transport)
-            smtp.transport.set_protocol(pipe)
+            pipe = _Replies(transport)
+            transport.set_protocol(pipe)
             self._pipe = pipe
         self._dirty = False
 
