@@ -64,7 +64,7 @@ def _run_on(loop: EventLoop, main: Coroutine[Any, Any, T]) -> T:
                 console.print("[red]error:[/red] --loop uvloop: uvloop is not installed")
                 raise typer.Exit(2) from None
         else:
-            logger.info("event loop: uvloop %s", uvloop.__version__)
+            logger.info("event loop: uvloop %s", getattr(uvloop, "__version__", "?"))
             return uvloop.run(main)
     logger.info("event loop: asyncio")
     return asyncio.run(main)
