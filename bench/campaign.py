@@ -1,7 +1,7 @@
 """Campaign throughput, side by side, in one run on one machine.
 
     python bench/campaign.py [--quick] [--recipients N] [--workers 1,2,4] [--concurrency 5,10,20]
-                             [--batch-size B] [--database-url URL] [--profile [WxC]]
+                             [--batch-size B] [--database-url URL] [--profile [WxC]] [--loop uvloop|asyncio]
 
 For each setting (K worker processes x C connections per worker) it measures:
 
@@ -13,13 +13,15 @@ For each setting (K worker processes x C connections per worker) it measures:
 3. sendonce: a campaign of N recipients approved in the database, K ``sendonce worker`` processes.
 
 Every run sends to a fresh Postfix smtp-sink on 127.0.0.1 and is checked message by message at the
-sink (and, for sendonce, in the database). Results: bench/out/results[-TAG].md and
+sink (and, for sendonce, in the database). sendonce's workers and the bare and lean loops run on the
+same event loop (``--loop``, default uvloop: sendonce's own default). Results: bench/out/results[-TAG].md and
 bench/out/throughput[-TAG].png. See bench/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -60,6 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=_ints, help="connections per worker to try (default 5,10,20; --quick 10)")
     parser.add_argument("--batch-size", type=int, default=20, help="sendonce --batch-size (default 20)")
     parser.add_argument("--worker-args", default="", help="extra sendonce worker options, e.g. '--fast-records'")
+    parser.add_argument(
+        "--loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop",
+        help="event loop of sendonce's workers and of the bare and lean loops alike (default uvloop, "
+        "sendonce's default; procrastinate runs on its own, asyncio)",
+    )
     parser.add_argument(
         "--database-url", help="PostgreSQL to use (default: a scratch server of its own under bench/.cache)"
     )
@@ -120,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         else start_scratch_server(CACHE_DIR, extra=dict(item.split("=", 1) for item in args.pg_setting))
     )
     ctx = Context(server, CACHE_DIR, sink_binary, args.batch_size, log_dir=log_dir)
-    ctx.worker_args = shlex.split(args.worker_args)
+    ctx.worker_args = ["--loop", args.loop, *shlex.split(args.worker_args)]
+    os.environ["SOBENCH_LOOP"] = args.loop  # the bare and lean loops, started by ctx.env()
     settings = [(w, c) for w in args.workers for c in args.concurrency]
     results: list[RunResult] = []
     failures: list[str] = []
@@ -254,6 +264,14 @@ def _delivered(r: RunResult | None) -> str:
     return ("✓ " if r.ok else "✗ ") + f"{r.delivered:,}/{r.recipients:,}"
 
 
+def _loop_description(loop: str) -> str:
+    if loop == "uvloop":
+        from importlib.metadata import version
+
+        return f"uvloop {version('uvloop')}"
+    return "asyncio (Python's own)"
+
+
 def render(
     args: argparse.Namespace,
     command: str,
@@ -278,6 +296,8 @@ def render(
             f"campaign: {args.recipients:,} recipients, one text + HTML message each "
             f"(sendonce --batch-size {args.batch_size}{' ' + args.worker_args if args.worker_args else ''}); "
             f"procrastinate runs: {args.baseline_recipients:,} jobs",
+            f"event loop: {_loop_description(args.loop)} for sendonce's workers and the bare and lean loops; "
+            "procrastinate's workers run on asyncio (its own choice)",
             *notes,
         ],
     )

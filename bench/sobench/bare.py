@@ -22,6 +22,7 @@ import time
 
 import aiosmtplib
 
+from sobench import run
 from sobench.content import Prerendered, sendonce_message
 
 _POOL = 2000
@@ -132,4 +133,4 @@ async def main(port: int, connections: int, count: int, first: int) -> None:
 if __name__ == "__main__":
     port, connections, count, first = (int(a) for a in sys.argv[1:5])
     loop = pipelined if sys.argv[5:6] == ["pipelined"] else main
-    asyncio.run(loop(port, connections, count, first))
+    run(loop(port, connections, count, first))

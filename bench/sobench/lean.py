@@ -37,6 +37,7 @@ import time
 
 import psycopg
 
+from sobench import run
 from sobench.bare import _reply, open_lanes, pipelined_wire
 from sobench.content import sendonce_message
 
@@ -165,4 +166,4 @@ async def main(url: str, port: int, connections: int, first: int, wait: bool) ->
 if __name__ == "__main__":
     url = sys.argv[1]
     port, connections, first = (int(a) for a in sys.argv[2:5])
-    asyncio.run(main(url, port, connections, first, sys.argv[5:6] == ["wait"]))
+    run(main(url, port, connections, first, sys.argv[5:6] == ["wait"]))
