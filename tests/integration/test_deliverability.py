@@ -245,6 +245,36 @@ def test_webhooks_refuse_bad_signatures_and_payloads(client: httpx.Client, datab
     assert _one(database_url, "SELECT count(*) FROM sendonce.suppressions") == (0,)
 
 
+async def test_an_event_naming_an_account_that_does_not_exist_is_unattributed(
+    database_url: str, client: httpx.Client
+) -> None:
+    # It was a 500 (the foreign key of feedback_events), which a provider retries for ever, and the
+    # events of the same request that were fine went with it.
+    setup = await _sent_campaign(database_url, ["ann@example.test"])
+    events = [
+        {"id": "gone", "type": "complaint", "email": "ann@example.test", "account_id": setup.account_id + 1000},
+        {"id": "here", "type": "complaint", "email": "ann@example.test", "account_id": setup.account_id},
+    ]
+    response = _generic(client, events)
+    assert response.status_code == 200, response.text
+    assert response.json() == {"received": 2, "new": 1, "unattributed": 1}
+    assert _one(database_url, "SELECT array_agg(event_id) FROM sendonce.feedback_events") == (["here"],)
+    assert _one(database_url, "SELECT reason FROM sendonce.suppressions") == ("complaint",)
+
+
+@pytest.mark.parametrize("campaign_id", ["²", "١٢", "9" * 4301, str(2**63)])
+async def test_a_campaign_job_id_whose_campaign_cannot_exist_is_unattributed(
+    database_url: str, client: httpx.Client, campaign_id: str
+) -> None:
+    # "²".isdigit() is true but int("²") raises, as does int() of more than 4300 digits: these were 500s.
+    await _sent_campaign(database_url, ["ann@example.test"])
+    event = {"id": "e", "type": "hard_bounce", "email": "ann@example.test", "job_id": f"campaign:{campaign_id}:1"}
+    response = _generic(client, [event])
+    assert response.status_code == 200, response.text
+    assert response.json() == {"received": 1, "new": 0, "unattributed": 1}
+    assert _one(database_url, "SELECT count(*) FROM sendonce.feedback_events") == (0,)
+
+
 async def test_resend_svix_webhook(database_url: str, client: httpx.Client) -> None:
     await _sent_campaign(database_url, ["ann@example.test"])
     job = _one(database_url, "SELECT job_id FROM sendonce.deliveries")[0]

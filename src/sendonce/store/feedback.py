@@ -9,11 +9,13 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 from psycopg.types.json import Jsonb
 
 from sendonce.domain.addresses import InvalidAddress, parse_address
@@ -24,6 +26,9 @@ from sendonce.store.queries import query
 from sendonce.webhooks import FeedbackEvent
 
 SUPPRESSING = {"hard_bounce": SuppressionReason.BOUNCE, "complaint": SuppressionReason.COMPLAINT}
+_CAMPAIGN_JOB_ID = re.compile(r"campaign:([0-9]+):[^:]*")
+"""``campaign:<campaign_id>:<subscriber_id>``, in ASCII digits: ``str.isdigit`` takes "²", which ``int`` refuses."""
+_ACCOUNT_FOREIGN_KEY = "feedback_events_account_id_fkey"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +55,11 @@ async def _one(conn: Conn, name: str, params: dict[str, Any]) -> dict[str, Any] 
 
 async def _link(conn: Conn, event: FeedbackEvent) -> dict[str, Any] | None:
     if event.job_id:
-        parts = event.job_id.split(":")
-        campaign_id = int(parts[1]) if len(parts) == 3 and parts[0] == "campaign" and parts[1].isdigit() else None
-        if campaign_id is not None and campaign_id >= 2**63:
+        campaign = _CAMPAIGN_JOB_ID.fullmatch(event.job_id)
+        # Not past 19 digits: beyond bigint anyway, and int() refuses more than 4300.
+        if campaign is not None and (len(campaign[1]) > 19 or int(campaign[1]) >= 2**63):
             return None
+        campaign_id = int(campaign[1]) if campaign is not None else None
         row = await _one(conn, "find_delivery_by_job_id", {"job_id": event.job_id, "campaign_id": campaign_id})
         if row is not None:
             return row
@@ -71,7 +77,7 @@ async def ingest(conn: Conn, event: FeedbackEvent, policy: FeedbackPolicy) -> In
 
     The event is linked to its delivery by job id, then by the provider's message id; an event of
     our generic format may name its account instead (inside the signed body). Anything else cannot
-    be attributed to an account and is ignored.
+    be attributed to an account and is ignored, as is an event naming an account that does not exist.
     """
     delivery = await _link(conn, event)
     owner = delivery["account_id"] if delivery is not None else event.account_id
@@ -85,53 +91,60 @@ async def ingest(conn: Conn, event: FeedbackEvent, policy: FeedbackPolicy) -> In
         except InvalidAddress:
             email_key = None
     suppressed = False
-    async with conn.transaction():  # a savepoint inside the caller's transaction
-        inserted = await _one(
-            conn,
-            "insert_feedback_event",
-            {
-                "account_id": owner,
-                "provider": event.provider,
-                "event_id": event.event_id,
-                "kind": event.kind,
-                "email": email,
-                "email_key": email_key,
-                "job_id": event.job_id,
-                "delivery_id": delivery["delivery_id"] if delivery is not None else None,
-                "occurred_at": event.occurred_at,
-                "detail": Jsonb(event.detail),
-            },
-        )
-        if inserted is None:
-            return Ingested(False, owner, delivery["campaign_id"] if delivery else None, False)
-        reason = SUPPRESSING.get(event.kind)
-        if event.kind == "soft_bounce" and email_key:
-            count = await _one(
+    try:
+        async with conn.transaction():  # a savepoint inside the caller's transaction
+            inserted = await _one(
                 conn,
-                "count_soft_bounces",
-                {"account_id": owner, "email_key": email_key, "period": policy.soft_bounce_period},
-            )
-            if count and count["n"] >= policy.soft_bounce_limit:
-                reason = SuppressionReason.BOUNCE
-        if reason is not None and email_key and email:
-            await conn.execute(
-                query("add_suppression"),
-                {"account_id": owner, "email_key": email_key, "email": email, "reason": reason.value},
-            )
-            await conn.execute(
-                query("set_subscriber_status_for_feedback"),
+                "insert_feedback_event",
                 {
                     "account_id": owner,
+                    "provider": event.provider,
+                    "event_id": event.event_id,
+                    "kind": event.kind,
+                    "email": email,
                     "email_key": email_key,
-                    "status": "unsubscribed" if reason is SuppressionReason.COMPLAINT else "bounced",
+                    "job_id": event.job_id,
+                    "delivery_id": delivery["delivery_id"] if delivery is not None else None,
+                    "occurred_at": event.occurred_at,
+                    "detail": Jsonb(event.detail),
                 },
             )
-            suppressed = True
-        if delivery is not None and event.kind in ("hard_bounce", "soft_bounce", "complaint"):
-            await conn.execute(
-                query("set_delivery_feedback"),
-                {"account_id": owner, "delivery_id": delivery["delivery_id"], "kind": event.kind},
-            )
+            if inserted is None:
+                return Ingested(False, owner, delivery["campaign_id"] if delivery else None, False)
+            reason = SUPPRESSING.get(event.kind)
+            if event.kind == "soft_bounce" and email_key:
+                count = await _one(
+                    conn,
+                    "count_soft_bounces",
+                    {"account_id": owner, "email_key": email_key, "period": policy.soft_bounce_period},
+                )
+                if count and count["n"] >= policy.soft_bounce_limit:
+                    reason = SuppressionReason.BOUNCE
+            if reason is not None and email_key and email:
+                await conn.execute(
+                    query("add_suppression"),
+                    {"account_id": owner, "email_key": email_key, "email": email, "reason": reason.value},
+                )
+                await conn.execute(
+                    query("set_subscriber_status_for_feedback"),
+                    {
+                        "account_id": owner,
+                        "email_key": email_key,
+                        "status": "unsubscribed" if reason is SuppressionReason.COMPLAINT else "bounced",
+                    },
+                )
+                suppressed = True
+            if delivery is not None and event.kind in ("hard_bounce", "soft_bounce", "complaint"):
+                await conn.execute(
+                    query("set_delivery_feedback"),
+                    {"account_id": owner, "delivery_id": delivery["delivery_id"], "kind": event.kind},
+                )
+    except psycopg.errors.ForeignKeyViolation as exc:
+        if exc.diag.constraint_name != _ACCOUNT_FOREIGN_KEY:
+            raise
+        # The account an event names itself (generic format) does not exist; a delivery's does. Such an
+        # event is as unattributable as one that names no account, and the request's others still count.
+        return Ingested(False, None, None, False)
     return Ingested(True, owner, delivery["campaign_id"] if delivery is not None else None, suppressed)
 
 
