@@ -4,16 +4,22 @@ and writes nothing; no input gets a 500, and the only 5xx is a 503 (an unavailab
 
 Every operation gets valid requests as generated, the same made to look like real use (existing ids,
 real addresses, templates, signed tokens, CSV files, Idempotency-Keys), and invalid requests. Ids of
-objects that exist are mixed in with made-up ones, so routes are reached past their 404s.
+objects that exist are mixed in with made-up ones, so routes are reached past their 404s. The webhook
+operation is fuzzed as documented (any provider, any body, signature headers as generated: refused),
+then once per provider whose signature the test can make: the body narrowed to that provider's format,
+each request signed, so its parser meets valid and invalid payloads and ingestion runs.
 Derandomized: CI sends the same requests every time. SENDONCE_FUZZ_EXAMPLES=500 searches longer.
 """
 
 from __future__ import annotations
 
+import copy
 import csv
+import hashlib
 import io
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -32,15 +38,26 @@ from schemathesis import Case, GenerationMode, Response
 from schemathesis.core.result import Ok
 
 from sendonce.delivery.compose import Links
+from sendonce.domain.jobs import JOB_ID_HEADER
 from sendonce.domain.keys import KeyRing
 from sendonce.store.signups import VERIFY_PURPOSE
 from sendonce.store.subscribers import OPTIN_PURPOSE
 from tests.conftest import ApiServer
 from tests.helpers import PUBLIC_URL, TEST_SECRET
+from tests.unit.test_webhooks import (
+    GENERIC_SECRET,
+    POSTMARK_TOKEN,
+    SENDGRID_PUBLIC,
+    SVIX_SECRET,
+    TOPIC,
+    generic_headers,
+    sendgrid_headers,
+    svix_headers,
+)
 
 ADMIN = {"Authorization": "Bearer test-admin-token"}
 EXAMPLES = int(os.environ.get("SENDONCE_FUZZ_EXAMPLES", "20"))
-"""Per operation and mode: about 2,000 requests in all by default."""
+"""Per operation and mode: about 2,250 requests in all by default."""
 
 SETTINGS = settings(
     max_examples=EXAMPLES,
@@ -114,12 +131,13 @@ def _is_page(case: Case[Any]) -> bool:
     return "text/html" in documented
 
 
-def check(case: Case[Any], response: Response, written: list[str]) -> None:
+def check(case: Case[Any], response: Response, written: list[str], *, signed: bool = False) -> None:
     status = response.status_code
     problem = (
         f"{case.method} {case.formatted_path} query={case.query!r} body={str(case.body)[:300]!r} "
         f"answered {status}: {response.content[:600]!r}"
     )
+    assert not (signed and status == 401), f"{problem}, though the test signed it"
     # The database is up all along: the one 503 that may come is SNS's, whose signing certificate
     # lives on the internet this test does not reach.
     assert status < 500 or (status == 503 and case.formatted_path.endswith("/ses")), problem
@@ -136,7 +154,14 @@ def check(case: Case[Any], response: Response, written: list[str]) -> None:
 
 @pytest.fixture
 def api(database_url: str) -> Iterator[ApiServer]:
-    with ApiServer(database_url, webhook_secret="hook-secret") as server:
+    with ApiServer(
+        database_url,
+        webhook_secret=GENERIC_SECRET,
+        resend_webhook_secret=SVIX_SECRET,
+        postmark_webhook_token=POSTMARK_TOKEN,
+        sendgrid_webhook_key=SENDGRID_PUBLIC,
+        sns_topic_arns=TOPIC,
+    ) as server:
         yield server
 
 
@@ -165,7 +190,7 @@ NEW_DRAFT = 7_777_777_777_777
 """A ``campaign_id`` replaced, just before the request, by a draft made for it."""
 
 
-def _existing(api: ApiServer) -> Existing:
+def _existing(api: ApiServer, database_url: str) -> Existing:
     with httpx.Client(base_url=api.url, timeout=30) as c:
         account = c.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
         auth = {"Authorization": f"Bearer {account['api_key']}"}
@@ -192,6 +217,10 @@ def _existing(api: ApiServer) -> Existing:
         post("/v1/suppressions", {"email": "gone@example.test"})
         signup_id = post("/v1/signups", {"email": "sam@example.test", "origin": "web"})["signup_id"]
     keys = KeyRing(TEST_SECRET.encode())
+    with psycopg.connect(database_url) as conn:  # the signup's mail, the double opt-in's confirmation
+        job_ids = [job_id for (job_id,) in conn.execute("SELECT job_id FROM sendonce.deliveries")]
+    # The job ids providers echo back: of deliveries that exist, and of one that does not.
+    job_id = st.sampled_from([*job_ids, f"campaign:{approved_id}:{subscriber_id}"])
 
     def new_draft() -> int:
         body = {"name": "draft", "subject": "Hi {{ name }}", "text": "x", "lists": lists}
@@ -256,6 +285,18 @@ def _existing(api: ApiServer) -> Existing:
                 min_size=1,
                 max_size=5,
             ),
+            # Webhook events: what links them to a delivery or an account, when and to whom.
+            "job_id": job_id,
+            "sendonce_job_id": job_id,  # sendgrid custom argument
+            "sendonce-job-id": job_id,  # postmark metadata, resend tags
+            JOB_ID_HEADER: job_id,  # resend headers
+            "account_id": st.just(account["id"]),
+            "to": emails,
+            "Email": emails,
+            "Recipient": emails,
+            "occurred_at": MOMENTS,
+            "created_at": MOMENTS,
+            "TopicArn": st.just(TOPIC),
             # Signed links: a signup's verification, a double opt-in confirmation.
             "token": st.sampled_from(
                 [
@@ -340,18 +381,19 @@ MODES = ("positive", "realistic", "negative")
 files made to look like real use; invalid requests (a wrong type, a value out of range...)."""
 
 
-def _strategy(operation: Any, mode: str, existing: Existing) -> st.SearchStrategy[Case[Any]]:
-    """Cases as generated, and with path parameters that name something that exists."""
+def _strategy(
+    operation: Any, mode: str, existing: Existing, provider: str | None = None
+) -> st.SearchStrategy[Case[Any]]:
+    """Cases as generated, and with path parameters that name something that exists (for a webhook
+    ``provider``: the path names it, always)."""
     generation = GenerationMode.NEGATIVE if mode == "negative" else GenerationMode.POSITIVE
-    strategies = [operation.as_strategy(generation_mode=generation)]
     names = [p.name for p in operation.path_parameters]
-    if names and all(name in existing.path for name in names):
-        strategies += [
-            operation.as_strategy(generation_mode=generation, path_parameters={name: value})
-            for name in names
-            for value in existing.path[name]
-        ]
-    cases = st.one_of(strategies)
+    paths: list[dict[str, Any] | None] = [None]  # as generated
+    if provider is not None:
+        paths = [{"provider": provider}]
+    elif names and all(name in existing.path for name in names):
+        paths += [{name: value} for name in names for value in existing.path[name]]
+    cases = st.one_of([operation.as_strategy(generation_mode=generation, path_parameters=path) for path in paths])
     if mode == "realistic":
         return cases.flatmap(lambda case: _with_realistic_data(case, existing))
     return cases
@@ -364,8 +406,51 @@ def _mutable(operation: Any) -> bool:
     )
 
 
-UNREACHABLE = {"POST /v1/webhooks/{provider}"}
-"""Operations no generated request gets a 2xx from: webhooks need the provider's signature."""
+WEBHOOK = "POST /v1/webhooks/{provider}"
+UNREACHABLE = {WEBHOOK}
+"""Operations no generated request gets a 2xx from: webhooks need the provider's signature, which the
+test adds only to the requests of the operation narrowed to one provider (labelled with its name)."""
+
+
+def _now() -> str:
+    return str(int(time.time()))
+
+
+SIGNATURES: dict[str, Callable[[bytes], dict[str, str]]] = {
+    "generic": lambda body: generic_headers(body, ts=_now()),
+    # svix-id is the event id, which Svix keeps when it sends a message again: the same body, the same id.
+    "resend": lambda body: svix_headers(body, msg_id=f"msg_{hashlib.sha256(body).hexdigest()[:24]}", ts=_now()),
+    "postmark": lambda body: {"X-Sendonce-Webhook-Token": POSTMARK_TOKEN},
+    "sendgrid": lambda body: sendgrid_headers(body, ts=_now()),
+}
+"""The headers that sign a request's body, per provider the test app holds the secret of. (SES signs
+inside the body, with a certificate that SNS serves: its requests stay as generated.)"""
+
+
+def _label(operation: Any, provider: str | None) -> str:
+    label: str = operation.label
+    return label if provider is None else label.replace("{provider}", provider)
+
+
+def _for_provider(raw_schema: dict[str, Any], provider: str) -> Any:
+    """The webhook operation as ``provider`` calls it: its JSON body narrowed to that provider's format,
+    and no headers to generate (the test sets the ones that sign)."""
+    raw = copy.deepcopy(raw_schema)
+    post = raw["paths"]["/v1/webhooks/{provider}"]["post"]
+    post["parameters"] = [parameter for parameter in post["parameters"] if parameter["in"] != "header"]
+    json_body = post["requestBody"]["content"]["application/json"]
+    formats = {schema["title"]: schema for schema in json_body["schema"]["anyOf"]}
+    json_body["schema"] = formats[provider]
+    operation = schemathesis.openapi.from_dict(raw, config=schemathesis.Config()).find_operation_by_label(WEBHOOK)
+    assert operation is not None
+    return operation
+
+
+def _sent_body(case: Case[Any], base_url: str) -> bytes:
+    """The body exactly as ``case.call`` will send it: the bytes a signature covers."""
+    body = requests.Request(**case.as_transport_kwargs(base_url=base_url)).prepare().body
+    assert body is None or isinstance(body, bytes), body  # JSON and text are serialized to bytes
+    return body or b""
 
 
 @dataclass
@@ -377,45 +462,53 @@ class Fuzzer:
     ledger: Ledger
     existing: Existing
     succeeded: set[str]
-    """Operations that answered at least one request with a 2xx: the fuzzing got past validation."""
+    """Operations that answered at least one request with a 2xx: the fuzzing got past validation. (The
+    webhook operation narrowed to one provider is labelled with the provider's name.)"""
 
-    def run(self, operation: Any, mode: str) -> None:
+    def run(self, operation: Any, mode: str, provider: str | None = None) -> None:
+        """Fuzz ``operation``; with a ``provider``, the webhook operation as it calls it, each request signed."""
         headers = ADMIN if operation.path.startswith("/v1/accounts") else self.existing.auth
+        label = _label(operation, provider)
 
         @SETTINGS
-        @given(case=_strategy(operation, mode, self.existing))
+        @given(case=_strategy(operation, mode, self.existing, provider))
         def fuzz(case: Case[Any]) -> None:
             if case.path_parameters and case.path_parameters.get("campaign_id") == NEW_DRAFT:
                 case.path_parameters = {**case.path_parameters, "campaign_id": self.existing.new_draft()}
                 self.ledger.written()  # the draft is not the request's doing
+            if provider is not None:
+                case.headers.update(SIGNATURES[provider](_sent_body(case, self.base_url)))
             response = case.call(
                 base_url=self.base_url, session=self.session, headers=headers, timeout=30, allow_redirects=False
             )
-            check(case, response, self.ledger.written())
+            check(case, response, self.ledger.written(), signed=provider is not None)
             if 200 <= response.status_code < 300:
-                self.succeeded.add(operation.label)
+                self.succeeded.add(label)
 
         fuzz()
 
 
-@pytest.mark.timeout(900)  # about 2,000 requests: 30 s on 2 cores, longer with SENDONCE_FUZZ_EXAMPLES
+@pytest.mark.timeout(900)  # about 2,250 requests: 40 s on 2 cores, longer with SENDONCE_FUZZ_EXAMPLES
 def test_no_generated_request_gets_a_500_a_bare_error_or_a_partial_write(api: ApiServer, database_url: str) -> None:
-    existing = _existing(api)
+    existing = _existing(api, database_url)
     schema = schemathesis.openapi.from_url(f"{api.url}/openapi.json", config=schemathesis.Config())
-    operations = []
+    operations: list[tuple[Any, str | None]] = []
     for result in schema.get_all_operations():
         assert isinstance(result, Ok), result
-        operations.append(result.ok())
+        operations.append((result.ok(), None))
+    operations += [(_for_provider(schema.raw_schema, provider), provider) for provider in SIGNATURES]
     failures: dict[str, str] = {}
     with closing(Ledger(database_url)) as ledger, requests.Session() as session:
         fuzzer = Fuzzer(api.url, session, ledger, existing, succeeded=set())
-        for operation in operations:
+        for operation, provider in operations:
             for mode in MODES:
                 if mode == "negative" and not _mutable(operation):
                     continue
                 try:
-                    fuzzer.run(operation, mode)
+                    fuzzer.run(operation, mode, provider)
                 except Exception as exc:  # every operation is fuzzed; the failures are reported together
-                    failures[f"{operation.label} ({mode})"] = f"{type(exc).__name__}: {str(exc)[:1500]}"
+                    failures[f"{_label(operation, provider)} ({mode})"] = f"{type(exc).__name__}: {str(exc)[:1500]}"
     assert not failures, "\n".join(f"{label}: {message}" for label, message in failures.items())
-    assert {operation.label for operation in operations} - fuzzer.succeeded == UNREACHABLE
+    assert {_label(operation, provider) for operation, provider in operations} - fuzzer.succeeded == UNREACHABLE
+    # Signed requests of each provider got past the signature, their parser and ingestion (a 2xx).
+    assert {WEBHOOK.replace("{provider}", p) for p in ("generic", "resend", "postmark", "sendgrid")} <= fuzzer.succeeded

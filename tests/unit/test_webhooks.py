@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import jsonschema_rs  # schemathesis's JSON Schema validator
 import pytest
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
@@ -33,6 +34,7 @@ from sendonce.webhooks import (
     WebhookConfig,
     WebhookError,
     parse_webhook,
+    schemas,
 )
 from tests.helpers import self_signed_pem
 
@@ -1060,3 +1062,24 @@ def test_arbitrary_signed_bytes_never_escape_as_anything_but_webhook_errors(body
     }
     with contextlib.suppress(PayloadError):
         events_of(signers[provider](body))
+
+
+# == the documented formats =======================================================================
+
+
+def test_the_documented_formats_describe_what_the_parsers_take() -> None:
+    """The OpenAPI document of the webhook route describes each provider's examples above."""
+    formats = {schema["title"]: schema for schema in schemas.BODIES}
+    examples: dict[str, list[Any]] = {
+        "generic": [GENERIC_PAYLOAD],
+        "resend": [resend_bounce()],
+        "postmark": [postmark_bounce(), postmark_bounce("SpamComplaint", "SpamComplaint"), postmark_delivery()],
+        "sendgrid": [SENDGRID_BATCH],
+        "ses": [sns_notification(ses_bounce()), sns_confirmation()],
+    }
+    assert set(formats) == set(examples)
+    for provider, payloads in examples.items():
+        validator = jsonschema_rs.validator_for(formats[provider])
+        for payload in payloads:
+            validator.validate(payload)
+    assert not jsonschema_rs.validator_for(formats["generic"]).is_valid({"events": [], "extra": 1})

@@ -39,9 +39,9 @@ TOKEN_HEADER = "x-sendonce-webhook-token"  # noqa: S105 (a header name, not a se
 _JOB_ID_KEYS = ("sendonce-job-id", "sendonce_job_id")
 
 # Postmark's bounce types (Bounce API). The address does not exist or was deactivated for good:
-_HARD_TYPES = frozenset({"HardBounce", "BadEmailAddress", "ManuallyDeactivated"})
+HARD_TYPES = frozenset({"HardBounce", "BadEmailAddress", "ManuallyDeactivated"})
 # Delivery failed this time, or the message was refused for its content or the sender's reputation:
-_SOFT_TYPES = frozenset(
+SOFT_TYPES = frozenset(
     {
         "Transient",
         "SoftBounce",
@@ -68,9 +68,9 @@ def parse(headers: Mapping[str, str], body: bytes, config: WebhookConfig) -> lis
         bounce_type = fields.req_str(record, "Type")
         if record_type == "SpamComplaint" or bounce_type == "SpamComplaint":
             kind = COMPLAINT
-        elif bounce_type in _HARD_TYPES:
+        elif bounce_type in HARD_TYPES:
             kind = HARD_BOUNCE
-        elif bounce_type in _SOFT_TYPES:
+        elif bounce_type in SOFT_TYPES:
             kind = SOFT_BOUNCE
         else:
             kind = OTHER

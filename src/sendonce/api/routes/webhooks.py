@@ -23,7 +23,7 @@ from sendonce.api.deps import Db
 from sendonce.api.problems import Problem
 from sendonce.api.services import services_of
 from sendonce.store import feedback
-from sendonce.webhooks import PROVIDERS, SubscriptionConfirmation, WebhookError, parse_webhook
+from sendonce.webhooks import PROVIDERS, SubscriptionConfirmation, WebhookError, parse_webhook, schemas
 
 logger = logging.getLogger(__name__)
 router = APIRouter(tags=["webhooks"])
@@ -41,7 +41,10 @@ def _fetch_certificate(url: str) -> bytes:
     return cached
 
 
-@router.post("/v1/webhooks/{provider}")
+@router.post(
+    "/v1/webhooks/{provider}",
+    openapi_extra=schemas.OPENAPI,  # the route reads its body and headers itself: documented for senders
+)
 async def receive(
     provider: Annotated[str, Path(max_length=32)],
     request: Request,
