@@ -14,7 +14,7 @@ For each setting (K worker processes x C connections per worker) it measures:
 
 Every run sends to a fresh Postfix smtp-sink on 127.0.0.1 and is checked message by message at the
 sink (and, for sendonce, in the database). sendonce's workers and the bare and lean loops run on the
-same event loop (``--loop``, default uvloop: sendonce's own default). Results: bench/out/results[-TAG].md and
+same event loop (``--loop``, default asyncio: sendonce's own default). Results: bench/out/results[-TAG].md and
 bench/out/throughput[-TAG].png. See bench/README.md.
 """
 
@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--loop",
         choices=("uvloop", "asyncio"),
-        default="uvloop",
-        help="event loop of sendonce's workers and of the bare and lean loops alike (default uvloop, "
+        default="asyncio",
+        help="event loop of sendonce's workers and of the bare and lean loops alike (default asyncio, "
         "sendonce's default; procrastinate runs on its own, asyncio)",
     )
     parser.add_argument(
