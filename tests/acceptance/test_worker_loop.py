@@ -35,3 +35,20 @@ async def test_the_worker_sends_a_campaign_on_either_loop(database_url: str, loo
         # each envelope went out in one write (RFC 2920), on uvloop as on asyncio
         assert inbox.pipelined_envelopes == 6
     assert f"event loop: {loop or 'asyncio'}" in proc.stderr
+
+
+def test_a_loop_that_is_not_installed_is_refused_before_anything_is_done() -> None:
+    # uvloop hidden from the import system; the database is unreachable: the worker must say what is
+    # wrong with its options (exit 2) before it tries to migrate, connect or listen to anything.
+    script = "import sys; sys.modules['uvloop'] = None; from sendonce.cli import main; main()"
+    env = {**os.environ, "SENDONCE_DATABASE_URL": "postgresql://sendonce@127.0.0.1:9/nothing"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, "worker", "--loop", "uvloop", "--metrics-port", "0"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "--loop uvloop: uvloop is not installed" in proc.stderr

@@ -262,11 +262,12 @@ async def test_an_event_naming_an_account_that_does_not_exist_is_unattributed(
     assert _one(database_url, "SELECT reason FROM sendonce.suppressions") == ("complaint",)
 
 
-@pytest.mark.parametrize("campaign_id", ["²", "١٢", "9" * 4301, str(2**63)])
+@pytest.mark.parametrize("campaign_id", ["²", "9" * 4301, str(2**63)])
 async def test_a_campaign_job_id_whose_campaign_cannot_exist_is_unattributed(
     database_url: str, client: httpx.Client, campaign_id: str
 ) -> None:
-    # "²".isdigit() is true but int("²") raises, as does int() of more than 4300 digits: these were 500s.
+    # "²".isdigit() is true but int("²") raises, as does int() of more than 4300 digits: these were 500s
+    # (2**63 was refused before too: it stays so).
     await _sent_campaign(database_url, ["ann@example.test"])
     event = {"id": "e", "type": "hard_bounce", "email": "ann@example.test", "job_id": f"campaign:{campaign_id}:1"}
     response = _generic(client, [event])

@@ -67,9 +67,9 @@ async def test_messages_arrive_byte_for_byte(pipelining: bool) -> None:
 
 
 def test_pipelining_under_uvloop() -> None:
-    """The worker runs on uvloop, whose transports are not ``asyncio.Transport`` subclasses: the
-    channel takes the connection over all the same (an isinstance check once turned pipelining off
-    there, silently: every message then took four round trips)."""
+    """A worker may run on uvloop (``--loop uvloop``), whose transports are not ``asyncio.Transport``
+    subclasses: the channel takes the connection over all the same (an isinstance check once turned
+    pipelining off there, silently: every message then took four round trips)."""
     uvloop = pytest.importorskip("uvloop")
     messages = [_message(n) for n in range(3)]
 
@@ -355,6 +355,32 @@ def _server_tls(tmp_path: Path) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert_file, key_file)
     return context
+
+
+@pytest.mark.parametrize("implicit", [False, True], ids=["starttls", "smtps"])
+def test_pipelining_over_tls_under_uvloop(tmp_path: Path, implicit: bool) -> None:
+    # uvloop's TLS transport is its own class too (not asyncio's): taken over and pipelined all the same
+    uvloop = pytest.importorskip("uvloop")
+    context = _server_tls(tmp_path)
+    tls = {"implicit_tls": context} if implicit else {"starttls": context}
+    messages = [_message(n) for n in range(3)]
+
+    async def send_all(inbox: Inbox) -> bool:
+        channel = SmtpChannel(
+            SmtpSettings("127.0.0.1", inbox.port, use_tls=implicit, start_tls=not implicit,
+                         username="mailer", password="s3cret", validate_certs=False, timeout=5)
+        )  # fmt: skip
+        try:
+            for message in messages:
+                assert isinstance(await channel.send(message, timeout=5), Accepted)
+            return channel.pipelined
+        finally:
+            await channel.close()
+
+    with Inbox(login=("mailer", "s3cret"), **tls) as inbox:  # type: ignore[arg-type]
+        assert uvloop.run(send_all(inbox)) is True
+    assert [m.data for m in inbox.messages] == [m.as_bytes() for m in messages]
+    assert inbox.pipelined_envelopes == 3
 
 
 @pytest.mark.parametrize("implicit", [False, True], ids=["starttls", "smtps"])
