@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -593,3 +594,67 @@ def test_outbox_listing_is_paged_and_audited(client: httpx.Client) -> None:
     assert seen == [f"p{i}@example.test" for i in reversed(range(5))]
     assert client.get("/v1/outbox", params={"cursor": "nonsense"}, headers=auth).status_code == 422
     assert client.get("/v1/outbox", params={"event": "fax"}, headers=auth).status_code == 422
+
+
+@pytest.fixture
+def primary_and_standby(tmp_path: Path) -> Iterator[tuple[str, Callable[[], str]]]:
+    """A primary of its own (embedded binaries, whatever the suite's server is), and a function that
+    makes a streaming standby of it, as it is then, and returns its URL."""
+    import shutil
+
+    from sendonce.store.embedded import EmbeddedPostgres
+    from sendonce.store.migrations import upgrade
+
+    primary = EmbeddedPostgres(tmp_path / "primary" / "pgdata")
+    primary.start()
+    standby = tmp_path / "standby"
+
+    def make_standby() -> str:
+        standby.mkdir(mode=0o700)
+        if primary.owner:  # started by root: the server's own user owns its files
+            shutil.chown(standby, primary.owner)
+        # from the socket the embedded server listens on, in its folder; a fast checkpoint (the
+        # default, spread, waits for most of a checkpoint interval)
+        primary.run_binary("pg_basebackup", "-D", str(standby), "-R", "-X", "stream", "-c", "fast",
+                           "-h", str(primary.data_dir), "-U", "postgres")  # fmt: skip
+        for lock in standby.glob(".s.PGSQL.*"):  # the primary's socket lock, copied with its folder
+            lock.unlink()
+        options = f"-k {standby} -c listen_addresses=''"
+        primary.run_binary("pg_ctl", "-D", str(standby), "-w", "-o", options, "-l", str(standby / "log"), "start")
+        return f"postgresql://postgres:@/sendonce?host={standby}"
+
+    try:
+        upgrade(primary.ensure_database())
+        yield primary.url(), make_standby
+    finally:
+        if (standby / "postmaster.pid").exists():
+            primary.run_binary("pg_ctl", "-D", str(standby), "-w", "-m", "immediate", "stop")
+        primary.stop()
+
+
+def test_a_standby_does_not_answer_repeats_it_may_be_behind_on(
+    primary_and_standby: tuple[str, Callable[[], str]],
+) -> None:
+    """During a failover the API may reach a standby. It could be behind the primary on a signup's
+    mail that certainly failed, which a repeat must re-queue rather than answer "queued" for: a repeat
+    is not answered from a standby (503, retry), and the primary still answers it."""
+    primary_url, make_standby = primary_and_standby
+    with (
+        ApiServer(primary_url, secret=SECRET, public_url="https://app.acme.test") as api,
+        httpx.Client(base_url=api.url, timeout=30) as client,
+    ):
+        _, auth = account(client)
+        assert signup(client, auth).status_code == 201
+        standby_url = make_standby()
+        with psycopg.connect(standby_url) as conn:
+            assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (True,)
+            # the standby has the signup and its open window: a lookup there could answer the repeat
+            assert conn.execute("SELECT count(*) FROM sendonce.signup_windows").fetchone() == (1,)
+        with (
+            ApiServer(standby_url, secret=SECRET, public_url="https://app.acme.test") as on_standby,
+            httpx.Client(base_url=on_standby.url, timeout=30) as replica_client,
+        ):
+            repeat = signup(replica_client, auth)
+        assert repeat.status_code == 503, repeat.text
+        assert repeat.headers["content-type"].startswith("application/problem+json")
+        assert signup(client, auth).status_code == 200

