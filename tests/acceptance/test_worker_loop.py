@@ -13,6 +13,13 @@ from sendonce.testing.inbox import Inbox
 from tests.helpers import campaign_setup, emails
 
 
+def _run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``python ARGV`` to its end, its output kept."""
+    return subprocess.run(
+        [sys.executable, *argv], env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120
+    )
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop", None], ids=["asyncio", "uvloop", "default"])
 async def test_the_worker_sends_a_campaign_on_either_loop(database_url: str, loop: str | None) -> None:
     pytest.importorskip("uvloop")
@@ -22,14 +29,7 @@ async def test_the_worker_sends_a_campaign_on_either_loop(database_url: str, loo
         env.pop("SENDONCE_FAULTS", None)
         args = ["--log-level", "info", "worker", "--no-upgrade", "--drain", "--tick", "0.2"]
         args += [] if loop is None else ["--loop", loop]
-        proc = subprocess.run(
-            [sys.executable, "-m", "sendonce.cli", *args],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = _run(["-m", "sendonce.cli", *args], env)
         assert proc.returncode == 0, proc.stderr
         assert sorted(m.rcpt_to[0] for m in inbox.messages) == sorted(emails(6))
         # each envelope went out in one write (RFC 2920), on uvloop as on asyncio
@@ -42,13 +42,6 @@ def test_a_loop_that_is_not_installed_is_refused_before_anything_is_done() -> No
     # wrong with its options (exit 2) before it tries to migrate, connect or listen to anything.
     script = "import sys; sys.modules['uvloop'] = None; from sendonce.cli import main; main()"
     env = {**os.environ, "SENDONCE_DATABASE_URL": "postgresql://sendonce@127.0.0.1:9/nothing"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script, "worker", "--loop", "uvloop", "--metrics-port", "0"],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = _run(["-c", script, "worker", "--loop", "uvloop", "--metrics-port", "0"], env)
     assert proc.returncode == 2, proc.stderr
     assert "--loop uvloop: uvloop is not installed" in proc.stderr

@@ -66,15 +66,12 @@ async def test_messages_arrive_byte_for_byte(pipelining: bool) -> None:
     assert inbox.pipelined_envelopes == (5 if pipelining else 0)
 
 
-def test_pipelining_under_uvloop() -> None:
-    """A worker may run on uvloop (``--loop uvloop``), whose transports are not ``asyncio.Transport``
-    subclasses: the channel takes the connection over all the same (an isinstance check once turned
-    pipelining off there, silently: every message then took four round trips)."""
+def _pipelined_under_uvloop(settings: SmtpSettings, messages: list[OutgoingMessage]) -> bool:
+    """Send ``messages`` through one channel on uvloop; whether the channel pipelined."""
     uvloop = pytest.importorskip("uvloop")
-    messages = [_message(n) for n in range(3)]
 
-    async def send_all(inbox: Inbox) -> bool:
-        channel = _channel(inbox)
+    async def send_all() -> bool:
+        channel = SmtpChannel(settings)
         try:
             for message in messages:
                 assert isinstance(await channel.send(message, timeout=5), Accepted)
@@ -82,8 +79,16 @@ def test_pipelining_under_uvloop() -> None:
         finally:
             await channel.close()
 
+    return bool(uvloop.run(send_all()))
+
+
+def test_pipelining_under_uvloop() -> None:
+    """A worker may run on uvloop (``--loop uvloop``), whose transports are not ``asyncio.Transport``
+    subclasses: the channel takes the connection over all the same (an isinstance check once turned
+    pipelining off there, silently: every message then took four round trips)."""
+    messages = [_message(n) for n in range(3)]
     with Inbox(pipelining=True) as inbox:
-        assert uvloop.run(send_all(inbox)) is True
+        assert _pipelined_under_uvloop(_channel(inbox).settings, messages)
     assert [m.data for m in inbox.messages] == [m.as_bytes() for m in messages]
     assert inbox.pipelined_envelopes == 3
 
@@ -360,25 +365,13 @@ def _server_tls(tmp_path: Path) -> ssl.SSLContext:
 @pytest.mark.parametrize("implicit", [False, True], ids=["starttls", "smtps"])
 def test_pipelining_over_tls_under_uvloop(tmp_path: Path, implicit: bool) -> None:
     # uvloop's TLS transport is its own class too (not asyncio's): taken over and pipelined all the same
-    uvloop = pytest.importorskip("uvloop")
     context = _server_tls(tmp_path)
     tls = {"implicit_tls": context} if implicit else {"starttls": context}
     messages = [_message(n) for n in range(3)]
-
-    async def send_all(inbox: Inbox) -> bool:
-        channel = SmtpChannel(
-            SmtpSettings("127.0.0.1", inbox.port, use_tls=implicit, start_tls=not implicit,
-                         username="mailer", password="s3cret", validate_certs=False, timeout=5)
-        )  # fmt: skip
-        try:
-            for message in messages:
-                assert isinstance(await channel.send(message, timeout=5), Accepted)
-            return channel.pipelined
-        finally:
-            await channel.close()
-
     with Inbox(login=("mailer", "s3cret"), **tls) as inbox:  # type: ignore[arg-type]
-        assert uvloop.run(send_all(inbox)) is True
+        settings = SmtpSettings("127.0.0.1", inbox.port, use_tls=implicit, start_tls=not implicit,
+                                username="mailer", password="s3cret", validate_certs=False, timeout=5)  # fmt: skip
+        assert _pipelined_under_uvloop(settings, messages)
     assert [m.data for m in inbox.messages] == [m.as_bytes() for m in messages]
     assert inbox.pipelined_envelopes == 3
 
