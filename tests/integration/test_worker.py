@@ -192,6 +192,37 @@ async def test_a_late_outcome_of_an_old_attempt_leaves_the_new_claim_held(databa
     assert counts.sending == 1 and counts.sent == 0
 
 
+@pytest.mark.parametrize("new_first", [True, False])
+@pytest.mark.parametrize("old_sent", [False, True])
+async def test_two_attempts_of_one_row_in_one_group_are_each_settled(
+    database_url: str, new_first: bool, old_sent: bool
+) -> None:
+    # As above, but the new claim's outcome (sent) and the old claim's reach the recorder in one
+    # group: the old one given back (its deadline had passed), or sent (its record was late). Each is
+    # settled on its own: the new claim is sent and forgotten, the old one is never counted as sent;
+    # nothing stays held (a draining worker would never end, and an idle one would not look for work
+    # until its next tick).
+    setup = await campaign_setup(database_url, emails(1))
+    await _prebuild(database_url)
+    worker = Worker(database_url, transport_from_url("smtp://127.0.0.1:9"), WorkerConfig(**FAST), composer=composer())
+    loop = asyncio.get_running_loop()
+    async with await connect(database_url) as conn:
+        claim: dict[str, Any] = {"limit": 1, "lease_seconds": 30, "worker": worker.name, "transport_idempotent": False}
+        [old] = await outbox.claim_batch(conn, **claim)
+        await conn.execute("UPDATE sendonce.deliveries SET lease_expires_at = now() - interval '1 second'")
+        assert len(await outbox.requeue_expired(conn)) == 1
+        [new] = await outbox.claim_batch(conn, **claim)
+        held_new = Held(new, lease_end=loop.time() + 30)
+        worker._held[new.key] = held_new
+        old_outcome = Accepted("250 ok") if old_sent else None
+        group = [_Result(held_new, Accepted("250 ok")), _Result(Held(old, lease_end=loop.time()), old_outcome)]
+        await worker._record(conn, group if new_first else group[::-1])
+    assert worker._held == {}
+    assert (worker.stats.sent, worker.stats.fenced_out) == (1, int(old_sent))
+    _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert counts.sent == 1
+
+
 @pytest.mark.parametrize(("doubt_hours", "provider_forgot"), [(25, True), (1, False)])
 async def test_a_resend_past_the_idempotency_key_life_goes_to_the_ledger(
     database_url: str, doubt_hours: int, provider_forgot: bool

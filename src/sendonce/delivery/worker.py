@@ -749,10 +749,13 @@ class Worker:
         retry: list[RetryRecord] = []
         failed: list[FailedRecord] = []
         release: list[Fenced] = []
-        by_key: dict[Key, _Result] = {}
+        # A group can hold two outcomes of one row: an old attempt's (its lease ran out meanwhile) and
+        # that of this worker's new claim of it. The statements fence by attempt, so at most the
+        # latest attempt's outcome is the one a returned row stands for.
+        latest: dict[Key, int] = {}
         for result in results:
             d = result.held.delivery
-            by_key[d.key] = result
+            latest[d.key] = max(latest.get(d.key, 0), d.attempt)
             outcome = result.outcome
             if outcome is None or isinstance(outcome, Withheld):
                 release.append(result.held.fenced)
@@ -792,15 +795,16 @@ class Worker:
 
         self.stats.released += released
         recorded = recorded_sent | recorded_retry | recorded_failed
-        for key, result in by_key.items():
+        for result in results:
             self._forget(result.held)
             d = result.held.delivery
+            key = d.key
             extra = {"job_id": d.job_id, "attempt": d.attempt}
             outcome = result.outcome
             if outcome is None:
                 logger.debug("%s released", d.job_id, extra={"action": "released", **extra})
                 continue
-            if key not in recorded:
+            if key not in recorded or d.attempt != latest[key]:
                 self.stats.fenced_out += 1
                 logger.warning(
                     "%s: outcome refused, the row was re-claimed by another worker (attempt %d is stale)",
