@@ -257,6 +257,61 @@ async def test_a_resend_past_the_idempotency_key_life_goes_to_the_ledger(
     assert counts.sent == 1 and counts.possible_duplicate == len(ledger)
 
 
+@pytest.mark.parametrize(("hours_ago", "provider_forgot"), [(25, True), (1, False)])
+async def test_an_attempt_found_dead_long_after_its_claim_dates_its_doubt_from_the_claim(
+    database_url: str, hours_ago: int, provider_forgot: bool
+) -> None:
+    # A worker claimed a row, the provider accepted it, and the worker was killed before recording
+    # it. No worker ran for the next hours (or the database was down): the expired lease is found only
+    # now. The doubt began at the claim, not now; dated now, a re-send past the key's life would look
+    # fresh, go unrecorded, and the provider, which forgot the key, would deliver it twice.
+    setup = await campaign_setup(database_url, emails(1))
+    with ResendServer() as provider:
+        await run_to_drain(database_url, transport_from_url(provider.url), WorkerConfig(drain=True, **FAST))
+        async with await connect(database_url) as conn:
+            await conn.execute(
+                "UPDATE sendonce.deliveries SET status = 'sending', sent_at = NULL, "
+                "updated_at = now() - make_interval(hours => %(h)s), "
+                "lease_expires_at = now() - make_interval(hours => %(h)s) + interval '30 seconds'",
+                {"h": hours_ago},
+            )
+            await conn.execute("UPDATE sendonce.campaigns SET status = 'sending', finished_at = NULL")
+        if provider_forgot:
+            provider.forget_keys()
+        await run_to_drain(database_url, transport_from_url(provider.url), WorkerConfig(drain=True, **FAST))
+        copies = max(provider.by_job().values())
+    async with await connect(database_url) as conn:
+        ledger = await campaigns.list_possible_duplicates(conn, setup.account_id)
+    if provider_forgot:
+        assert copies == 2
+        assert [row["reason"] for row in ledger] == ["resend_after_idempotency_key_expired"]
+    else:
+        assert copies == 1 and ledger == []
+
+
+async def test_an_uncertain_outcome_recorded_late_dates_its_doubt_from_the_claim(database_url: str) -> None:
+    # The provider's answer was lost (a timeout), and the database was unreachable for a day before
+    # the worker could record that: the doubt is as old as the claim, and the next claim ledgers it.
+    await campaign_setup(database_url, emails(1))
+    await _prebuild(database_url)
+    claim: dict[str, Any] = {
+        "limit": 1,
+        "lease_seconds": 30,
+        "worker": "w",
+        "transport_idempotent": True,
+        "key_life": 24 * 3600.0,
+    }
+    async with await connect(database_url) as conn:
+        [row] = await outbox.claim_batch(conn, **claim)
+        await conn.execute("UPDATE sendonce.deliveries SET updated_at = now() - interval '25 hours'")
+        retry = outbox.RetryRecord(row.account_id, row.delivery_id, row.attempt, 0.0, "timed out", uncertain=True)
+        assert await outbox.record_retry(conn, [retry]) == {row.key}
+        [again] = await outbox.claim_batch(conn, **claim)
+        ledger = await (await conn.execute("SELECT attempt, reason FROM sendonce.possible_duplicates")).fetchall()
+    assert again.uncertain
+    assert ledger == [{"attempt": again.attempt, "reason": "resend_after_idempotency_key_expired"}]
+
+
 async def test_graceful_stop_gives_back_what_was_not_started(database_url: str) -> None:
     addresses = emails(60)
     setup = await campaign_setup(database_url, addresses)

@@ -320,6 +320,9 @@ RETURNING account_id, campaign_id;
 -- They keep their place near the front of their queue, behind the workers' claim cursors: the
 -- NOTIFY (sent once, at commit, only if rows were requeued) makes every worker start its next claim
 -- from the front, so they go out now rather than at the end of the campaign.
+-- The doubt dates from the claim, not from now: this may run long after the attempt (no worker was
+-- running, the database was down), and an idempotency key's life counts from the send. While a row
+-- is 'sending', updated_at is its claim's time (renewals move only the lease).
 WITH expired AS (
     SELECT account_id, delivery_id
       FROM sendonce.deliveries
@@ -329,7 +332,7 @@ WITH expired AS (
        FOR UPDATE SKIP LOCKED
 ), requeued AS (
     UPDATE sendonce.deliveries d
-       SET status = 'queued', uncertain = true, uncertain_since = coalesce(d.uncertain_since, now()),
+       SET status = 'queued', uncertain = true, uncertain_since = coalesce(d.uncertain_since, d.updated_at),
            lease_expires_at = NULL, updated_at = now()
       FROM expired e
      WHERE d.account_id = e.account_id AND d.delivery_id = e.delivery_id
@@ -446,9 +449,10 @@ SELECT account_id, delivery_id, job_id, kind, campaign_id, subscriber_id, email,
  ORDER BY delivery_id;
 
 -- renew_leases --
--- Extend the leases a worker still holds, fenced by attempt. SKIP LOCKED: a row the worker's own
--- recorder is completing at this moment is skipped rather than waited for, so renewal and recording
--- never deadlock on rows they take in different orders. A row can also be locked for an instant by
+-- Extend the leases a worker still holds, fenced by attempt. Only the lease: updated_at stays the
+-- claim's time, which dates the doubt of an attempt whose outcome is unknown (requeue_expired).
+-- SKIP LOCKED: a row the worker's own recorder is completing at this moment is skipped rather than
+-- waited for, so renewal and recording never deadlock on rows they take in different orders. A row can also be locked for an instant by
 -- another worker's claim (a FOR UPDATE that meets a row just claimed keeps its lock until its
 -- statement ends, even though it then skips the row), so a skipped row is not a lost one: the second
 -- part answers, without locking, which skipped rows are still this worker's ('sending', same attempt)
@@ -507,14 +511,15 @@ RETURNING d.account_id, d.delivery_id;
 
 -- record_retry --
 -- Transient failures: back to the queue after a backoff, fenced. uncertain when the transport
--- could not tell whether it accepted the message. A failure counts once per attempt
+-- could not tell whether it accepted the message; that doubt dates from the claim (see
+-- requeue_expired: the record may come long after the send). A failure counts once per attempt
 -- (failure_attempt, migration 0008): the same group recorded again, after a commit whose answer was
 -- lost, does not count it twice.
 UPDATE sendonce.deliveries d
    SET status = 'queued', not_before = now() + make_interval(secs => u.delay),
        failures = d.failures + CASE WHEN d.failure_attempt IS NOT DISTINCT FROM u.attempt THEN 0 ELSE 1 END,
        failure_attempt = u.attempt, last_error = u.error, uncertain = d.uncertain OR u.uncertain,
-       uncertain_since = CASE WHEN u.uncertain THEN coalesce(d.uncertain_since, now()) ELSE d.uncertain_since END,
+       uncertain_since = CASE WHEN u.uncertain THEN coalesce(d.uncertain_since, d.updated_at) ELSE d.uncertain_since END,
        lease_expires_at = NULL, updated_at = now()
   FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[],
               %(delays)s::float8[], %(errors)s::text[], %(uncertain)s::bool[])
@@ -532,7 +537,7 @@ UPDATE sendonce.deliveries d
        feedback = CASE WHEN u.hard_bounce THEN 'hard_bounce' ELSE d.feedback END,
        feedback_at = CASE WHEN u.hard_bounce THEN now() ELSE d.feedback_at END,
        uncertain = d.uncertain OR u.uncertain,
-       uncertain_since = CASE WHEN u.uncertain THEN coalesce(d.uncertain_since, now()) ELSE d.uncertain_since END
+       uncertain_since = CASE WHEN u.uncertain THEN coalesce(d.uncertain_since, d.updated_at) ELSE d.uncertain_since END
   FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[],
               %(errors)s::text[], %(hard_bounces)s::bool[], %(uncertain)s::bool[])
        AS u(account_id, delivery_id, attempt, error, hard_bounce, uncertain)
