@@ -5,11 +5,15 @@ the provider. It matters beyond the ledger: a signup window re-queues a mail tha
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import struct
 
+import pytest
+
 from sendonce.domain.message import OutgoingMessage
-from sendonce.transports.base import Retry
+from sendonce.testing.resend_server import ResendServer
+from sendonce.transports.base import Accepted, Outcome, Permanent, Retry
 from sendonce.transports.registry import transport_from_url
 from tests.conftest import free_port
 
@@ -71,3 +75,43 @@ async def test_a_reset_after_the_whole_request_went_out_is_uncertain() -> None:
 async def test_no_connection_at_all_is_a_certain_failure() -> None:
     outcome = await _send_to(free_port())  # nobody listens there
     assert not outcome.uncertain, outcome
+
+
+async def _send(url: str, message: OutgoingMessage) -> Outcome:
+    transport = transport_from_url(url)
+    await transport.start()
+    channel = transport.channel()
+    try:
+        return await channel.send(message, timeout=5)
+    finally:
+        await channel.close()
+        await transport.close()
+
+
+@pytest.mark.parametrize("key_maybe_used", [False, True])
+async def test_a_key_another_sender_used_is_not_taken_for_our_message_sent(key_maybe_used: bool) -> None:
+    """Another installation (same API key, its own database, so the same job ids) sent its
+    ``signup:1:1`` first. Our first attempt's 409 is not "already sent": that would record a
+    message sent that was never delivered. After an uncertain attempt of ours it is."""
+    ours = _message()
+    theirs = dataclasses.replace(ours, recipient="someone-else@example.test", text="Their message")
+    with ResendServer() as provider:
+        assert isinstance(await _send(provider.url, theirs), Accepted)
+        outcome = await _send(provider.url, dataclasses.replace(ours, key_maybe_used=key_maybe_used))
+        delivered = provider.by_job()
+    assert delivered == {"signup:1:1": 1}  # theirs; the provider delivered nothing for our request
+    if key_maybe_used:
+        assert isinstance(outcome, Accepted)
+    else:
+        assert isinstance(outcome, Permanent), outcome
+        assert "already used by another sender" in outcome.error
+
+
+async def test_refused_credentials_are_retried_not_failed() -> None:
+    """A revoked or rotated API key is the account's problem, not the message's: the row is retried
+    (certain: nothing was delivered), not failed for good."""
+    with ResendServer(api_key="re_live_key") as provider:
+        outcome = await _send(provider.url.replace("re_live_key", "re_revoked_key"), _message())
+        assert provider.by_job() == {}
+    assert isinstance(outcome, Retry) and not outcome.uncertain, outcome
+    assert outcome.error.startswith("401")

@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from typing import Any
 
+import httpx
 import pytest
 
 from sendonce.delivery.worker import Held, Worker, WorkerConfig, _Result
@@ -310,6 +311,38 @@ async def test_an_uncertain_outcome_recorded_late_dates_its_doubt_from_the_claim
         ledger = await (await conn.execute("SELECT attempt, reason FROM sendonce.possible_duplicates")).fetchall()
     assert again.uncertain
     assert ledger == [{"attempt": again.attempt, "reason": "resend_after_idempotency_key_expired"}]
+
+
+async def test_a_campaign_row_whose_key_another_sender_used_fails_and_says_why(database_url: str) -> None:
+    # Another installation sharing the provider's API key (so the same job ids) sent its own message
+    # under this row's key first. The provider answers our first attempt with a 409: the row fails,
+    # saying why, rather than being recorded sent when our message was never delivered.
+    setup = await campaign_setup(database_url, emails(2))
+    await _prebuild(database_url)
+    async with await connect(database_url) as conn:
+        rows = await (await conn.execute("SELECT job_id FROM sendonce.deliveries ORDER BY delivery_id")).fetchall()
+    taken = rows[0]["job_id"]
+    with ResendServer() as provider:
+        base = provider.url.replace("resend+http://re_test_key@", "http://")
+        foreign = {"from": "x@other.test", "to": ["y@other.test"], "subject": "theirs", "text": "theirs"}
+        response = await asyncio.to_thread(
+            httpx.post,
+            f"{base}/emails",
+            json=foreign,
+            headers={"Authorization": f"Bearer {provider.api_key}", "Idempotency-Key": taken},
+        )
+        assert response.status_code == 200
+        await run_to_drain(database_url, transport_from_url(provider.url), WorkerConfig(drain=True, **FAST))
+        delivered = provider.by_job()
+    assert delivered == {taken: 1, rows[1]["job_id"]: 1}  # the first is the other sender's message
+    async with await connect(database_url) as conn:
+        failed = await (
+            await conn.execute("SELECT job_id, last_error FROM sendonce.deliveries WHERE status = 'failed'")
+        ).fetchall()
+    assert [row["job_id"] for row in failed] == [taken]
+    assert "already used by another sender" in failed[0]["last_error"]
+    _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert (counts.sent, counts.failed, counts.possible_duplicate) == (1, 1, 0)
 
 
 async def test_graceful_stop_gives_back_what_was_not_started(database_url: str) -> None:

@@ -340,4 +340,5 @@ class Composer:
             ],
             boundary=content.boundary,
             dkim=self.sender(delivery.account_id).signing_key(),
+            key_maybe_used=delivery.uncertain,
         )

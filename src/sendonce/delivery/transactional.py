@@ -55,6 +55,7 @@ def _base(delivery: ClaimedDelivery, sender: Sender, date: str, name: str | None
         "date": date,
         "headers": [(JOB_ID_HEADER, delivery.job_id)],
         "dkim": sender.signing_key(),
+        "key_maybe_used": delivery.uncertain,
     }
 
 

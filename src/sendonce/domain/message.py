@@ -132,6 +132,9 @@ class OutgoingMessage:
     """Begins with ``=_``: quoted-printable output never contains it."""
     dkim: DkimKey | None = None
     """Sign the message with this key (SMTP; an HTTP provider signs with its own)."""
+    key_maybe_used: bool = True
+    """An earlier attempt of this job may have reached the transport (the row is uncertain), so an
+    idempotent provider may know its key already. False: no earlier request can have registered it."""
 
     def header_block(self) -> str:
         lines = [

@@ -158,8 +158,22 @@ class ResendChannel(Channel):
             if name == "concurrent_idempotent_requests":
                 # The first request with this key is still in flight at the provider: ask again later.
                 return Retry(detail, retry_after=_retry_after(response) or 1.0)
-            # The key was used already: the message went out then.
+            if not message.key_maybe_used:
+                # No earlier attempt of this job can have reached the provider, yet it knows the key:
+                # someone else used it (another installation with the same API key, a database
+                # recreated within the key's life). Taken for "already sent", our message would be
+                # recorded sent and never delivered. It fails, saying why; nothing was delivered.
+                return Permanent(
+                    f"idempotency key {message.job_id!r} already used by another sender, with another message "
+                    f"(another sendonce database with this API key?): {detail}"
+                )
+            # The key was used already, by an earlier attempt of ours: the message went out then.
             return Accepted(None, note=f"already sent ({detail})")
         if status == 429 or status >= 500:
             return Retry(detail, uncertain=status >= 500, retry_after=_retry_after(response))
+        if status in (401, 403):
+            # Our credentials or the account's standing, not this message: a key revoked or rotated
+            # must not fail every row it meets. Retried with backoff (as an SMTP login refused is) until
+            # the operator fixes it, or the row's failures run out. Refused: nothing was delivered.
+            return Retry(detail)
         return Permanent(detail)
