@@ -412,3 +412,77 @@ async def test_pipelining_over_tls_with_a_login(tmp_path: Path, implicit: bool) 
     assert [m.data for m in inbox.messages] == [m.as_bytes() for m in messages]
     assert all(m.tls for m in inbox.messages)
     assert inbox.pipelined_envelopes == 3
+
+
+class _SlowServer:
+    """A server without PIPELINING that answers DATA with a 354 after ``before_354`` seconds, then
+    reads nothing for ``stall`` seconds, then reads the content and answers it ``before_250`` later.
+    ``dot`` is set when the content's final dot arrived (the message would be delivered)."""
+
+    def __init__(self, *, before_354: float = 0.0, stall: float = 0.0, before_250: float = 0.0) -> None:
+        self.before_354, self.stall, self.before_250 = before_354, stall, before_250
+        self.dot = asyncio.Event()
+        self.ended = asyncio.Event()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.write(b"220 slow ESMTP\r\n")
+            while line := await reader.readline():
+                verb = line[:4].upper()
+                if verb in (b"EHLO", b"HELO"):
+                    writer.write(b"250-slow\r\n250 8BITMIME\r\n")
+                elif verb == b"DATA":
+                    await asyncio.sleep(self.before_354)
+                    writer.write(b"354 go on\r\n")
+                    await writer.drain()
+                    await asyncio.sleep(self.stall)
+                    tail = b""
+                    while not tail.endswith(b"\r\n.\r\n"):
+                        chunk = await reader.read(1 << 16)
+                        if not chunk:
+                            return
+                        tail = (tail + chunk)[-5:]
+                    self.dot.set()
+                    await asyncio.sleep(self.before_250)
+                    writer.write(b"250 queued\r\n")
+                else:
+                    writer.write(b"250 ok\r\n")
+                await writer.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.ended.set()
+            writer.close()
+
+
+async def _send_slowly(server: _SlowServer, message: OutgoingMessage, timeout: float) -> Retry:
+    listener = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    channel = SmtpChannel(SmtpSettings("127.0.0.1", port, timeout=30, pipelining=False))
+    try:
+        outcome = await channel.send(message, timeout=timeout)
+        await channel.close()
+        await asyncio.wait_for(server.ended.wait(), 10)
+    finally:
+        listener.close()
+    assert isinstance(outcome, Retry), outcome
+    return outcome
+
+
+async def test_without_pipelining_the_whole_data_exchange_ends_within_the_budget() -> None:
+    """aiosmtplib's timeout is per reply: a 354 and a final reply each just inside it took twice the
+    budget, which the worker keeps inside the lease. The whole exchange is bounded: an uncertain retry."""
+    server = _SlowServer(before_354=0.6, before_250=0.6)
+    outcome = await _send_slowly(server, _message(1), timeout=1.0)
+    assert outcome.uncertain and "SMTPReadTimeoutError" in outcome.error
+
+
+async def test_without_pipelining_a_content_buffered_at_a_timeout_never_goes_out() -> None:
+    """The server takes the DATA, then reads nothing until well after the client gave up. A close
+    that flushes would still deliver the whole message then (a duplicate made likelier); the channel
+    aborts the connection and drops what is still buffered."""
+    server = _SlowServer(stall=1.5)
+    big = _message(1, text=("x" * 76 + "\n") * 200_000)  # ~15 MB: more than the sockets buffer
+    outcome = await _send_slowly(server, big, timeout=0.5)
+    assert outcome.uncertain
+    assert not server.dot.is_set()

@@ -28,7 +28,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import TypeGuard
+from typing import TypeGuard, cast
 
 import aiosmtplib
 from aiosmtplib import SMTPResponse
@@ -220,6 +220,9 @@ class SmtpChannel(Channel):
         self._last_used = 0.0
         self._ahead: tuple[OutgoingMessage, bytes] | None = None
         """The lane's next message, and its data, whose envelope went out behind the last content."""
+        self._transport: asyncio.Transport | None = None
+        """The connection's transport, kept to abort it: aiosmtplib drops its own reference when it
+        closes after a timeout, and its close still flushes what is buffered."""
 
     @property
     def pipelined(self) -> bool:
@@ -271,6 +274,7 @@ class SmtpChannel(Channel):
             # Extensions (SMTPUTF8, 8BITMIME, PIPELINING) are known only after EHLO.
             await smtp.ehlo(timeout=timeout)
         self._smtp = smtp
+        self._transport = cast("asyncio.Transport | None", smtp.transport)  # uvloop's: the interface, not the class
         self._smtputf8 = smtp.supports_extension("smtputf8")
         self._8bitmime = smtp.supports_extension("8bitmime")
         transport = smtp.transport
@@ -366,7 +370,13 @@ class SmtpChannel(Channel):
                     return Withheld("withheld before DATA")
                 timeout = max(min(timeout, left, self.settings.timeout), 0.1)
             phase = "data"
-            response = await smtp.data(data, timeout=timeout)
+            try:
+                # aiosmtplib's timeout is per reply (the 354, then the final one): the whole exchange
+                # must end within the budget, which the worker keeps inside the lease.
+                async with asyncio.timeout(timeout):
+                    response = await smtp.data(data, timeout=timeout)
+            except TimeoutError:
+                raise aiosmtplib.SMTPReadTimeoutError(f"the DATA exchange did not end within {timeout:g}s") from None
         except aiosmtplib.SMTPResponseException as exc:
             # In the data phase this may be the answer to the content (aiosmtplib does not say which
             # reply it was): only a real 4xx or 5xx there says the message was not taken.
@@ -479,10 +489,16 @@ class SmtpChannel(Channel):
         self._ahead = None
         smtp, self._smtp = self._smtp, None
         pipe, self._pipe = self._pipe, None
+        transport, self._transport = self._transport, None
         try:
             if pipe is not None:
                 pipe.close()
-            elif smtp is not None and smtp.is_connected:
-                smtp.close()
+            else:
+                if transport is not None:
+                    # abort, as for a taken-over connection (see _Replies.close): a content still
+                    # buffered after a timeout must not go out late, and make a duplicate more likely
+                    transport.abort()
+                if smtp is not None and smtp.is_connected:
+                    smtp.close()
         except Exception:  # closing a broken connection may fail; nothing is lost
             logger.debug("closing SMTP connection failed", exc_info=True)
