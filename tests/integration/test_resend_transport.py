@@ -12,7 +12,7 @@ import struct
 import pytest
 
 from sendonce.domain.message import OutgoingMessage
-from sendonce.testing.resend_server import ResendServer
+from sendonce.testing.resend_server import ResendFaults, ResendServer
 from sendonce.transports.base import Accepted, Outcome, Permanent, Retry
 from sendonce.transports.registry import transport_from_url
 from tests.conftest import free_port
@@ -74,7 +74,7 @@ async def test_a_reset_after_the_whole_request_went_out_is_uncertain() -> None:
 
 async def test_no_connection_at_all_is_a_certain_failure() -> None:
     outcome = await _send_to(free_port())  # nobody listens there
-    assert not outcome.uncertain, outcome
+    assert not outcome.uncertain and outcome.transport_wide, outcome
 
 
 async def _send(url: str, message: OutgoingMessage) -> Outcome:
@@ -113,5 +113,19 @@ async def test_refused_credentials_are_retried_not_failed() -> None:
     with ResendServer(api_key="re_live_key") as provider:
         outcome = await _send(provider.url.replace("re_live_key", "re_revoked_key"), _message())
         assert provider.by_job() == {}
-    assert isinstance(outcome, Retry) and not outcome.uncertain, outcome
+    assert isinstance(outcome, Retry) and not outcome.uncertain and outcome.transport_wide, outcome
     assert outcome.error.startswith("401")
+
+
+async def test_a_rate_limit_is_transport_wide_and_keeps_its_retry_after() -> None:
+    with ResendServer(faults=ResendFaults(rate_limited=1.0)) as provider:
+        outcome = await _send(provider.url, _message())
+        assert provider.by_job() == {}
+    assert isinstance(outcome, Retry) and outcome.transport_wide and not outcome.uncertain, outcome
+    assert outcome.error.startswith("429") and outcome.retry_after is not None
+
+
+async def test_a_server_error_is_about_the_message_and_uncertain() -> None:
+    with ResendServer(faults=ResendFaults(server_error=1.0)) as provider:
+        outcome = await _send(provider.url, _message())
+    assert isinstance(outcome, Retry) and outcome.uncertain and not outcome.transport_wide, outcome

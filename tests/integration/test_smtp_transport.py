@@ -21,6 +21,7 @@ from sendonce.domain.message import OutgoingMessage
 from sendonce.testing.inbox import Inbox, InboxFaults
 from sendonce.transports.base import Accepted, Permanent, Retry, Withheld
 from sendonce.transports.smtp import SmtpChannel, SmtpSettings, wire_content
+from tests.conftest import free_port
 from tests.helpers import self_signed_pem
 
 MODES = pytest.mark.parametrize("pipelining", [True, False], ids=["pipelined", "one-command-per-round-trip"])
@@ -409,6 +410,7 @@ async def test_pipelining_over_tls_with_a_login(tmp_path: Path, implicit: bool) 
         await wrong.close()
     # a refused login is the server's settings, not this message's fault: retried, never failed for good
     assert isinstance(outcome, Retry) and not outcome.uncertain and "535" in outcome.error, outcome
+    assert outcome.transport_wide  # not counted against the message; the worker's lanes pause
     assert [m.data for m in inbox.messages] == [m.as_bytes() for m in messages]
     assert all(m.tls for m in inbox.messages)
     assert inbox.pipelined_envelopes == 3
@@ -486,3 +488,25 @@ async def test_without_pipelining_a_content_buffered_at_a_timeout_never_goes_out
     outcome = await _send_slowly(server, big, timeout=0.5)
     assert outcome.uncertain
     assert not server.dot.is_set()
+
+
+async def test_no_relay_at_all_is_a_transport_wide_failure() -> None:
+    """Nothing listens: not this message's failure (it is not counted against it), certain."""
+    channel = SmtpChannel(SmtpSettings("127.0.0.1", free_port(), timeout=5))
+    try:
+        outcome = await channel.send(_message(1), timeout=5)
+    finally:
+        await channel.close()
+    assert isinstance(outcome, Retry) and outcome.transport_wide and not outcome.uncertain, outcome
+
+
+@MODES
+async def test_a_refusal_of_one_message_is_not_transport_wide(pipelining: bool) -> None:
+    """A 451 to the content, or a connection lost after it, is about this message: counted."""
+    with Inbox(faults=InboxFaults(drop_after_data=1.0)) as inbox:
+        channel = _channel(inbox, pipelining=pipelining)
+        try:
+            outcome = await channel.send(_message(1), timeout=5)
+        finally:
+            await channel.close()
+    assert isinstance(outcome, Retry) and outcome.uncertain and not outcome.transport_wide, outcome

@@ -16,7 +16,7 @@ from sendonce.store.database import connect
 from sendonce.testing.inbox import Inbox, InboxFaults
 from sendonce.testing.resend_server import ResendFaults, ResendServer
 from sendonce.testing.tcp_proxy import TcpProxy
-from sendonce.transports.base import Accepted
+from sendonce.transports.base import Accepted, Retry
 from sendonce.transports.registry import transport_from_url
 from tests.helpers import (
     campaign_setup,
@@ -343,6 +343,57 @@ async def test_a_campaign_row_whose_key_another_sender_used_fails_and_says_why(d
     assert "already used by another sender" in failed[0]["last_error"]
     _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
     assert (counts.sent, counts.failed, counts.possible_duplicate) == (1, 1, 0)
+
+
+async def test_a_relay_that_is_down_holds_the_mail_and_is_probed_not_hammered(database_url: str) -> None:
+    # The relay resets every connection for a while (down, restarting, a firewall): a failure of the
+    # transport, not of any message. No message may fail for it, however long it lasts, and the
+    # lanes pause between tries rather than running the whole queue into the refusing relay.
+    addresses = emails(40)
+    setup = await campaign_setup(database_url, addresses)
+    config = WorkerConfig(
+        concurrency=2, drain=True, max_failures=2, tick=0.2, lease=5.0, backoff_base=0.5, backoff_cap=1.0
+    )
+    with Inbox() as inbox, TcpProxy(target_host="127.0.0.1", target_port=inbox.port) as proxy:
+        proxy.cut()
+        worker = asyncio.create_task(
+            run_to_drain(database_url, transport_from_url(f"smtp://127.0.0.1:{proxy.port}"), config)
+        )
+        await asyncio.sleep(2.0)  # the outage lasts
+        async with asyncio.timeout(30):
+            while proxy.refused < 4:  # met the outage, paused, and probed it again
+                await asyncio.sleep(0.05)
+        async with await connect(database_url) as conn:
+            row = await (
+                await conn.execute(
+                    "SELECT count(*) FILTER (WHERE status = 'failed') AS failed, max(failures) AS failures,"
+                    " max(last_error) AS error FROM sendonce.deliveries"
+                )
+            ).fetchone()
+        assert row is not None and (row["failed"], row["failures"]) == (0, 0)
+        assert row["error"].startswith("connect:")
+        proxy.heal()
+        await worker
+        refused = proxy.refused
+        received = inbox.by_recipient()
+    assert received == dict.fromkeys(addresses, 1)
+    assert refused < len(addresses)  # probed: fewer tries than there were messages waiting
+    _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert (counts.sent, counts.failed) == (40, 0)
+
+
+async def test_an_outage_of_days_keeps_its_pause_within_the_probe_interval(database_url: str) -> None:
+    # Each pause doubles, up to one probe a minute; thousands of them (a relay down for days) must
+    # neither overflow the backoff's arithmetic nor stretch the pause.
+    worker = Worker(database_url, transport_from_url("smtp://127.0.0.1:9"), WorkerConfig(), composer=composer())
+    loop = asyncio.get_running_loop()
+    for _ in range(5000):
+        worker._outage_until = 0.0  # the last pause is over: the next failure starts the next one
+        worker._note_transport(Retry("connect: refused", transport_wide=True))
+    assert worker._outage_streak == 5000
+    assert 0 < worker._outage_until - loop.time() <= 60.0
+    worker._note_transport(Accepted("250 ok"))
+    assert worker._outage_streak == 0
 
 
 async def test_graceful_stop_gives_back_what_was_not_started(database_url: str) -> None:

@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+_OUTAGE_PROBE_EVERY = 60.0
+"""While the transport is down, the lanes try again at least this often (seconds)."""
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
@@ -251,6 +254,8 @@ class Worker:
         self._space = asyncio.Event()
         self._record_wanted = asyncio.Event()
         self._stopped = asyncio.Event()
+        self._wake_lanes = asyncio.Event()
+        """Set when stopping: lanes paused by a transport outage stop waiting."""
         self._idempotent = transport.capabilities.idempotent
         self._crash: BaseException | None = None
         self._recorders: list[asyncio.Task[None]] = []
@@ -262,6 +267,11 @@ class Worker:
         """Where this worker's last claim of each campaign ended; emptied whenever it finds nothing to do."""
         self._cursor_resets = 0
         """Times the cursor was emptied (a claim in flight meanwhile must not move it on again)."""
+        self._outage_until = 0.0
+        """While the transport is down (a transport-wide failure), no lane starts a send before this
+        time (loop clock): the relay is probed by one try per lane and pause, not by every queued row."""
+        self._outage_streak = 0
+        """Transport-wide failures in a row, each after its pause: the next pause is twice as long."""
         if faults.active:
             faults.witness = self._witness
 
@@ -280,6 +290,7 @@ class Worker:
         self._wake.set()
         self._space.set()
         self._build_wanted.set()
+        self._wake_lanes.set()
 
     async def run(self) -> WorkerStats:
         logger.info(
@@ -309,6 +320,7 @@ class Worker:
             await claimer
         finally:
             self._stopping = True
+            self._wake_lanes.set()
             for _ in senders:
                 self._ready.put_nowait(None)
             await asyncio.gather(*senders, return_exceptions=True)
@@ -634,6 +646,12 @@ class Worker:
                 if prepared is None:
                     continue
                 message = prepared
+            if self._outage_until > loop.time():
+                # the transport is down: wait for the probe time, then look at the row again (a pause,
+                # a stop or a lost lease may have come meanwhile)
+                await self._outage_pause()
+                if self._settled_unsent(held):
+                    continue
             self.faults.hit("before_send")
             held.started = True
 
@@ -652,6 +670,7 @@ class Worker:
             outcome = await channel.send(
                 message, timeout=max(budget, 0.1), gate=None if self._idempotent else gate, follow=follow
             )
+            self._note_transport(outcome)
             if isinstance(outcome, Withheld):
                 if loop.time() >= held.lease_end - config.margin:
                     self._past_deadline(held, count_only=True)
@@ -678,6 +697,34 @@ class Worker:
         )
         if not count_only:
             self._push(_Result(held, None))
+
+    def _note_transport(self, outcome: Outcome) -> None:
+        """A transport-wide failure starts (or, after its pause, lengthens) an outage; the transport
+        answering about a message ends it."""
+        loop = asyncio.get_running_loop()
+        if isinstance(outcome, Retry) and outcome.transport_wide:
+            if loop.time() < self._outage_until:
+                return  # a lane that started before the pause began: the same outage, the same pause
+            pause = min(self._backoff(min(self._outage_streak, 16), None), _OUTAGE_PROBE_EVERY)
+            if outcome.retry_after is not None:
+                pause = max(pause, outcome.retry_after)
+            self._outage_streak += 1
+            self._outage_until = loop.time() + pause
+            logger.warning(
+                "transport unavailable (%s); lanes pause %.1fs",
+                outcome.error,
+                pause,
+                extra={"action": "transport_outage"},
+            )
+        elif isinstance(outcome, Accepted | Permanent):
+            if self._outage_streak:
+                logger.info("transport available again", extra={"action": "transport_back"})
+            self._outage_streak = 0
+
+    async def _outage_pause(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping and (left := self._outage_until - loop.time()) > 0:
+            await self._sleep(self._wake_lanes, left)
 
     def _push(self, result: _Result) -> None:
         result.held.done = True
@@ -761,6 +808,14 @@ class Worker:
                 release.append(result.held.fenced)
             elif isinstance(outcome, Accepted):
                 sent.append(SentRecord(d.account_id, d.delivery_id, d.attempt, outcome.message_id, result.sent_at))
+            elif isinstance(outcome, Retry) and outcome.transport_wide:
+                # not this message's failure: back to the queue, uncounted, until the outage's probe time
+                delay = max(self._outage_until - asyncio.get_running_loop().time(), outcome.retry_after or 0.0, 0.0)
+                retry.append(
+                    RetryRecord(
+                        d.account_id, d.delivery_id, d.attempt, delay, outcome.error, outcome.uncertain, counted=False
+                    )
+                )
             elif isinstance(outcome, Retry):
                 if d.failures + 1 >= self.config.max_failures:
                     failed.append(

@@ -88,6 +88,8 @@ class RetryRecord:
     delay_seconds: float
     error: str
     uncertain: bool
+    counted: bool = True
+    """False: a transport-wide failure (see Retry.transport_wide), not counted against the message."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +214,7 @@ async def record_retry(conn: Conn, items: Sequence[RetryRecord]) -> set[Key]:
             **_columns(items, "account_id", "delivery_id", "attempt", "error", "uncertain"),
             "delays": [item.delay_seconds for item in items],
             "uncertain": [item.uncertain for item in items],
+            "counted": [item.counted for item in items],
         },
     )
     return {(row["account_id"], row["delivery_id"]) for row in await cursor.fetchall()}

@@ -40,6 +40,9 @@ class TcpProxy:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ready = threading.Event()
         self.connections = 0
+        """Connections forwarded."""
+        self.refused = 0
+        """Connections refused (reset at once) while cut."""
 
     # -- control (from any thread) ---------------------------------------------------------------
 
@@ -110,6 +113,7 @@ class TcpProxy:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         if self._refusing:
+            self.refused += 1
             writer.transport.abort()
             return
         try:

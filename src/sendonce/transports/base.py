@@ -38,11 +38,16 @@ class Retry:
 
     ``uncertain`` means the transport may have accepted the message anyway (the connection dropped
     after the data was sent, a timeout waiting for the answer): a later re-send may duplicate it.
+    ``transport_wide`` failures are certain (nothing of the message went out).
     """
 
     error: str
     uncertain: bool = False
     retry_after: float | None = None
+    transport_wide: bool = False
+    """The failure says nothing about this message: the transport is unreachable, refuses us (a
+    login, a revoked API key) or asks us to slow down. It does not count against the message's
+    failures, and the worker's lanes pause before their next try (the outage's backoff)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,8 +133,9 @@ class ResendChannel(Channel):
                 timeout=timeout,
             )
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            # no connection, so no byte of the request went out: the provider has nothing
-            return Retry(f"{type(exc).__name__}: {exc}"[:500])
+            # no connection, so no byte of the request went out: the provider has nothing (and it is
+            # out of reach for every message alike)
+            return Retry(f"{type(exc).__name__}: {exc}"[:500], transport_wide=True)
         except httpx.TimeoutException as exc:
             # The provider may have accepted it before we gave up; the same key makes a re-send safe.
             return Retry(f"timeout: {type(exc).__name__}", uncertain=True)
@@ -169,11 +170,14 @@ class ResendChannel(Channel):
                 )
             # The key was used already, by an earlier attempt of ours: the message went out then.
             return Accepted(None, note=f"already sent ({detail})")
-        if status == 429 or status >= 500:
-            return Retry(detail, uncertain=status >= 500, retry_after=_retry_after(response))
+        if status == 429:
+            # slow down: every message alike, for at least Retry-After
+            return Retry(detail, retry_after=_retry_after(response), transport_wide=True)
+        if status >= 500:
+            return Retry(detail, uncertain=True, retry_after=_retry_after(response))
         if status in (401, 403):
             # Our credentials or the account's standing, not this message: a key revoked or rotated
-            # must not fail every row it meets. Retried with backoff (as an SMTP login refused is) until
-            # the operator fixes it, or the row's failures run out. Refused: nothing was delivered.
-            return Retry(detail)
+            # must not fail every row it meets. Retried, not counted against the message (as an SMTP
+            # login refused is), until the operator fixes it. Refused: nothing was delivered.
+            return Retry(detail, transport_wide=True)
         return Permanent(detail)

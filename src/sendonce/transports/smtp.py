@@ -384,7 +384,9 @@ class SmtpChannel(Channel):
         except (TimeoutError, aiosmtplib.SMTPException, OSError) as exc:
             await self.close()
             # Past the start of DATA the server may have accepted the message before we lost it.
-            return Retry(f"{phase}: {_describe(exc)}", uncertain=phase == "data")
+            # Before MAIL (no connection, a greeting, TLS or login that failed) the relay is down for
+            # every message alike: a transport-wide failure.
+            return Retry(f"{phase}: {_describe(exc)}", uncertain=phase == "data", transport_wide=phase == "connect")
         except UnicodeEncodeError as exc:
             # an address that needs SMTPUTF8 where the envelope cannot carry it
             self._dirty = True
@@ -410,9 +412,10 @@ class SmtpChannel(Channel):
             await self.close()
         if phase == "connect":
             # A refused greeting, STARTTLS or login says nothing about this message: the server or
-            # its settings are wrong, and every message would fail alike. Retry, with backoff.
+            # its settings are wrong, and every message would fail alike. Retry, not counted against
+            # the message, while the lanes pause (the worker's outage backoff).
             await self.close()
-            return Retry(f"{phase}: {code} {text}"[:500])
+            return Retry(f"{phase}: {code} {text}"[:500], transport_wide=True)
         if 500 <= code < 600:
             # A 5xx to RCPT or DATA rejects this recipient for good: a hard bounce.
             return Permanent(f"{phase}: {code} {text}"[:500], hard_bounce=phase in ("rcpt", "data"))

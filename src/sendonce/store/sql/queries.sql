@@ -514,16 +514,19 @@ RETURNING d.account_id, d.delivery_id;
 -- could not tell whether it accepted the message; that doubt dates from the claim (see
 -- requeue_expired: the record may come long after the send). A failure counts once per attempt
 -- (failure_attempt, migration 0008): the same group recorded again, after a commit whose answer was
--- lost, does not count it twice.
+-- lost, does not count it twice. A transport-wide failure (the relay down, our login refused, a rate
+-- limit) is not counted at all (counted = false): it says nothing about the message.
 UPDATE sendonce.deliveries d
    SET status = 'queued', not_before = now() + make_interval(secs => u.delay),
-       failures = d.failures + CASE WHEN d.failure_attempt IS NOT DISTINCT FROM u.attempt THEN 0 ELSE 1 END,
-       failure_attempt = u.attempt, last_error = u.error, uncertain = d.uncertain OR u.uncertain,
+       failures = d.failures + CASE WHEN NOT u.counted OR d.failure_attempt IS NOT DISTINCT FROM u.attempt
+                                    THEN 0 ELSE 1 END,
+       failure_attempt = CASE WHEN u.counted THEN u.attempt ELSE d.failure_attempt END,
+       last_error = u.error, uncertain = d.uncertain OR u.uncertain,
        uncertain_since = CASE WHEN u.uncertain THEN coalesce(d.uncertain_since, d.updated_at) ELSE d.uncertain_since END,
        lease_expires_at = NULL, updated_at = now()
   FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[],
-              %(delays)s::float8[], %(errors)s::text[], %(uncertain)s::bool[])
-       AS u(account_id, delivery_id, attempt, delay, error, uncertain)
+              %(delays)s::float8[], %(errors)s::text[], %(uncertain)s::bool[], %(counted)s::bool[])
+       AS u(account_id, delivery_id, attempt, delay, error, uncertain, counted)
  WHERE d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
    AND d.status IN ('sending', 'queued')
 RETURNING d.account_id, d.delivery_id;
