@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
+import hmac
 import ipaddress
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.x509.oid import NameOID
 
 from sendonce.delivery.compose import Composer, Links
@@ -164,3 +168,68 @@ def self_signed_pem(
         san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip_address))])
         builder = builder.add_extension(san, critical=False)
     return builder.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+# == webhook signing ==============================================================================
+# The providers' signatures, written from their documents (independently of sendonce.webhooks), with
+# the secrets and keys the tests configure: the webhook unit tests and the API fuzz sign with these.
+# ``ts`` is always the caller's: the unit tests parse at a fixed time, the fuzz at the real one.
+
+GENERIC_SECRET = "generic-secret-0123456789abcdef"
+
+
+def generic_headers(body: bytes, *, ts: str, secret: str = GENERIC_SECRET) -> dict[str, str]:
+    """Our own scheme: ``sha256=`` and the hex HMAC-SHA256 of ``"<ts>.<body>"``."""
+    mac = hmac.new(secret.encode(), f"{ts}.".encode() + body, hashlib.sha256).hexdigest()
+    return {"Sendonce-Signature": f"sha256={mac}", "Sendonce-Timestamp": ts}
+
+
+SVIX_KEY = b"resend-test-secret-key-32-bytes!"
+SVIX_SECRET = "whsec_" + base64.b64encode(SVIX_KEY).decode()
+
+
+def svix_headers(body: bytes, *, ts: str, msg_id: str = "msg_2p5Qx0w1", key: bytes = SVIX_KEY) -> dict[str, str]:
+    """Resend's (Svix, Standard Webhooks): base64 HMAC-SHA256 of ``"<msg_id>.<ts>.<body>"``."""
+    mac = hmac.new(key, f"{msg_id}.{ts}.".encode() + body, hashlib.sha256).digest()
+    return {"svix-id": msg_id, "svix-timestamp": ts, "svix-signature": "v1," + base64.b64encode(mac).decode()}
+
+
+POSTMARK_TOKEN = "pm-0c3f9a8e4b7d4f2e9a1b6c5d8e7f0a12"
+"""Postmark signs nothing: the token is sent as a header or as the password of Basic auth."""
+
+SENDGRID_KEY = ec.generate_private_key(ec.SECP256R1())
+SENDGRID_PUBLIC = base64.b64encode(
+    SENDGRID_KEY.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+).decode()
+
+
+def sendgrid_headers(body: bytes, *, ts: str, key: ec.EllipticCurvePrivateKey = SENDGRID_KEY) -> dict[str, str]:
+    """SendGrid's Signed Event Webhook: base64 ECDSA P-256 (SHA-256) of ``"<ts><body>"``."""
+    signature = key.sign(ts.encode() + body, ec.ECDSA(hashes.SHA256()))
+    return {
+        "X-Twilio-Email-Event-Webhook-Signature": base64.b64encode(signature).decode(),
+        "X-Twilio-Email-Event-Webhook-Timestamp": ts,
+    }
+
+
+CERT_URL = "https://sns.us-east-1.amazonaws.com/SimpleNotificationService-7506a1e35b36ef5a444dd1a8e7cc3ed8.pem"
+TOPIC = "arn:aws:sns:us-east-1:123456789012:ses-feedback"
+SNS_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+def sns_certificate(key: rsa.RSAPrivateKey, *, not_before: datetime, not_after: datetime) -> bytes:
+    """A certificate for an SNS signing key, as SNS serves at ``SigningCertURL`` (PEM)."""
+    return self_signed_pem(key, "sns.amazonaws.com", not_before=not_before, not_after=not_after)
+
+
+def sns_sign(envelope: dict[str, Any], key: rsa.RSAPrivateKey = SNS_KEY) -> None:
+    """Sign as SNS documents it: "name\\nvalue\\n" for each field, names in byte order; a field absent
+    or null is left out (SNS leaves out the Subject of a notification that has none)."""
+    if envelope["Type"] == "Notification":
+        names = ["Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"]
+    else:
+        names = ["Message", "MessageId", "SubscribeURL", "Timestamp", "Token", "TopicArn", "Type"]
+    text = "".join(f"{n}\n{envelope[n]}\n" for n in names if envelope.get(n) is not None)
+    algorithm = hashes.SHA1() if envelope["SignatureVersion"] == "1" else hashes.SHA256()  # noqa: S303 (SNS v1 is SHA-1)
+    signature = key.sign(text.encode(), padding.PKCS1v15(), algorithm)
+    envelope["Signature"] = base64.b64encode(signature).decode()

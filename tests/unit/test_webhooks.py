@@ -2,9 +2,9 @@
 
 Every scheme is exercised with real keys: an RSA key and a self-signed X.509 certificate served
 through the injected ``fetch_certificate`` (SNS), HMAC secrets (svix, generic), an ECDSA P-256 key
-(SendGrid), a shared token (Postmark). The signing here is written from the providers' documents,
-independently of the code under test, and the published test vectors of Svix (Standard Webhooks)
-and SendGrid are checked too.
+(SendGrid), a shared token (Postmark). The signing (in ``tests.helpers``, shared with the API fuzz)
+is written from the providers' documents, independently of the code under test, and the published
+test vectors of Svix (Standard Webhooks) and SendGrid are checked too.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
-import hashlib
-import hmac
 import json
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -21,8 +19,8 @@ from typing import Any
 
 import jsonschema_rs  # schemathesis's JSON Schema validator
 import pytest
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,7 +34,21 @@ from sendonce.webhooks import (
     parse_webhook,
     schemas,
 )
-from tests.helpers import self_signed_pem
+from tests.helpers import (
+    CERT_URL,
+    GENERIC_SECRET,
+    POSTMARK_TOKEN,
+    SENDGRID_KEY,
+    SENDGRID_PUBLIC,
+    SNS_KEY,
+    SVIX_SECRET,
+    TOPIC,
+    generic_headers,
+    sendgrid_headers,
+    sns_certificate,
+    sns_sign,
+    svix_headers,
+)
 
 NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 TS = str(int(NOW.timestamp()))
@@ -57,20 +69,12 @@ def events_of(result: list[FeedbackEvent] | SubscriptionConfirmation) -> list[Fe
 
 # == SES over SNS =================================================================================
 
-CERT_URL = "https://sns.us-east-1.amazonaws.com/SimpleNotificationService-7506a1e35b36ef5a444dd1a8e7cc3ed8.pem"
-TOPIC = "arn:aws:sns:us-east-1:123456789012:ses-feedback"
-
 
 def _rsa_key() -> rsa.RSAPrivateKey:
     return rsa.generate_private_key(public_exponent=65537, key_size=2048)
 
 
-def _certificate(key: rsa.RSAPrivateKey, *, not_before: datetime, not_after: datetime) -> bytes:
-    return self_signed_pem(key, "sns.amazonaws.com", not_before=not_before, not_after=not_after)
-
-
-SNS_KEY = _rsa_key()
-SNS_CERT = _certificate(SNS_KEY, not_before=NOW - timedelta(days=30), not_after=NOW + timedelta(days=300))
+SNS_CERT = sns_certificate(SNS_KEY, not_before=NOW - timedelta(days=30), not_after=NOW + timedelta(days=300))
 
 
 class Certificates:
@@ -83,18 +87,6 @@ class Certificates:
     def __call__(self, url: str) -> bytes:
         self.fetched.append(url)
         return self.served[url]
-
-
-def sns_sign(envelope: dict[str, Any], key: rsa.RSAPrivateKey = SNS_KEY) -> None:
-    """Sign as SNS documents it: "name\\nvalue\\n" for each field, names in byte order."""
-    if envelope["Type"] == "Notification":
-        names = ["Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"]
-    else:
-        names = ["Message", "MessageId", "SubscribeURL", "Timestamp", "Token", "TopicArn", "Type"]
-    text = "".join(f"{n}\n{envelope[n]}\n" for n in names if n in envelope)
-    algorithm = hashes.SHA1() if envelope["SignatureVersion"] == "1" else hashes.SHA256()  # noqa: S303 (SNS v1 is SHA-1)
-    signature = key.sign(text.encode(), padding.PKCS1v15(), algorithm)
-    envelope["Signature"] = base64.b64encode(signature).decode()
 
 
 def sns_notification(
@@ -345,10 +337,10 @@ def test_ses_a_signature_by_another_key_is_refused() -> None:
 
 
 def test_ses_expired_or_not_yet_valid_certificate_is_refused() -> None:
-    expired = _certificate(SNS_KEY, not_before=NOW - timedelta(days=400), not_after=NOW - timedelta(seconds=1))
+    expired = sns_certificate(SNS_KEY, not_before=NOW - timedelta(days=400), not_after=NOW - timedelta(seconds=1))
     with pytest.raises(SignatureError, match="not valid now"):
         ses(sns_notification(ses_bounce()), fetch=Certificates({CERT_URL: expired}))
-    future = _certificate(SNS_KEY, not_before=NOW + timedelta(hours=1), not_after=NOW + timedelta(days=30))
+    future = sns_certificate(SNS_KEY, not_before=NOW + timedelta(hours=1), not_after=NOW + timedelta(days=30))
     with pytest.raises(SignatureError, match="not valid now"):
         ses(sns_notification(ses_bounce()), fetch=Certificates({CERT_URL: future}))
     with pytest.raises(SignatureError, match="PEM"):
@@ -406,14 +398,6 @@ def test_ses_malformed_payloads_are_payload_errors() -> None:
 
 # == Resend (svix) ================================================================================
 
-SVIX_KEY = b"resend-test-secret-key-32-bytes!"
-SVIX_SECRET = "whsec_" + base64.b64encode(SVIX_KEY).decode()
-
-
-def svix_headers(body: bytes, *, msg_id: str = "msg_2p5Qx0w1", ts: str = TS, key: bytes = SVIX_KEY) -> dict[str, str]:
-    mac = hmac.new(key, f"{msg_id}.{ts}.".encode() + body, hashlib.sha256).digest()
-    return {"svix-id": msg_id, "svix-timestamp": ts, "svix-signature": "v1," + base64.b64encode(mac).decode()}
-
 
 def resend_bounce(bounce_type: str = "Permanent") -> dict[str, Any]:
     """The email.bounced example of Resend's documentation, plus our header echoed back."""
@@ -441,7 +425,7 @@ def resend_bounce(bounce_type: str = "Permanent") -> dict[str, Any]:
 
 def resend(body: bytes, headers: dict[str, str] | None = None, config: WebhookConfig | None = None, **kw: Any) -> Any:
     config = config or WebhookConfig(resend_secret=SVIX_SECRET)
-    headers = svix_headers(body) if headers is None else headers
+    headers = svix_headers(body, ts=TS) if headers is None else headers
     return parse_webhook("resend", headers, body, config, now=kw.get("now", NOW), fetch_certificate=no_fetch)
 
 
@@ -506,7 +490,7 @@ def test_resend_transient_bounce_is_soft_and_several_recipients_get_distinct_ids
 
 def test_resend_header_names_are_case_insensitive_and_rotation_signatures_are_tried() -> None:
     body = json.dumps(resend_bounce()).encode()
-    good = svix_headers(body)
+    good = svix_headers(body, ts=TS)
     headers = {
         "Svix-Id": good["svix-id"],
         "SVIX-TIMESTAMP": good["svix-timestamp"],
@@ -517,13 +501,13 @@ def test_resend_header_names_are_case_insensitive_and_rotation_signatures_are_tr
 
 def test_resend_refuses_tampering_staleness_and_missing_parts() -> None:
     body = json.dumps(resend_bounce("Transient")).encode()
-    headers = svix_headers(body)
+    headers = svix_headers(body, ts=TS)
     with pytest.raises(SignatureError, match="invalid"):
         resend(body.replace(b"Transient", b"Permanent"), headers)
     with pytest.raises(SignatureError, match="invalid"):
         resend(body, dict(headers, **{"svix-id": "msg_other"}))
     with pytest.raises(SignatureError, match="invalid"):
-        resend(body, svix_headers(body, key=b"another key entirely, 32 bytes!!"))
+        resend(body, svix_headers(body, ts=TS, key=b"another key entirely, 32 bytes!!"))
     with pytest.raises(SignatureError, match="invalid"):
         resend(body, dict(headers, **{"svix-signature": headers["svix-signature"].replace("v1,", "v2,")}))
     stale = str(int(NOW.timestamp()) - 301)
@@ -562,8 +546,6 @@ def test_resend_malformed_payloads_are_payload_errors() -> None:
 
 
 # == Postmark =====================================================================================
-
-POSTMARK_TOKEN = "pm-0c3f9a8e4b7d4f2e9a1b6c5d8e7f0a12"
 
 
 def postmark_bounce(bounce_type: str = "HardBounce", record_type: str = "Bounce") -> dict[str, Any]:
@@ -713,19 +695,6 @@ def test_postmark_malformed_payloads_are_payload_errors() -> None:
 
 # == SendGrid =====================================================================================
 
-SENDGRID_KEY = ec.generate_private_key(ec.SECP256R1())
-SENDGRID_PUBLIC = base64.b64encode(
-    SENDGRID_KEY.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-).decode()
-
-
-def sendgrid_headers(body: bytes, *, ts: str = TS, key: ec.EllipticCurvePrivateKey = SENDGRID_KEY) -> dict[str, str]:
-    signature = key.sign(ts.encode() + body, ec.ECDSA(hashes.SHA256()))
-    return {
-        "X-Twilio-Email-Event-Webhook-Signature": base64.b64encode(signature).decode(),
-        "X-Twilio-Email-Event-Webhook-Timestamp": ts,
-    }
-
 
 def sendgrid_event(event: str, sg_event_id: str, **extra: Any) -> dict[str, Any]:
     return {
@@ -757,7 +726,7 @@ SENDGRID_BATCH = [
 
 def sendgrid(body: bytes, headers: dict[str, str] | None = None, **kw: Any) -> Any:
     config = kw.get("config", WebhookConfig(sendgrid_public_key=SENDGRID_PUBLIC))
-    headers = sendgrid_headers(body) if headers is None else headers
+    headers = sendgrid_headers(body, ts=TS) if headers is None else headers
     return parse_webhook("sendgrid", headers, body, config, now=kw.get("now", NOW), fetch_certificate=no_fetch)
 
 
@@ -810,11 +779,11 @@ def test_sendgrid_accepts_the_published_vector_and_a_pem_key() -> None:
 
 def test_sendgrid_refuses_tampering_staleness_and_bad_keys() -> None:
     body = json.dumps(SENDGRID_BATCH[:2]).encode()
-    headers = sendgrid_headers(body)
+    headers = sendgrid_headers(body, ts=TS)
     with pytest.raises(SignatureError, match="invalid"):
         sendgrid(body.replace(b'"blocked"', b'"bounce"'), headers)
     with pytest.raises(SignatureError, match="invalid"):
-        sendgrid(body, sendgrid_headers(body, key=ec.generate_private_key(ec.SECP256R1())))
+        sendgrid(body, sendgrid_headers(body, ts=TS, key=ec.generate_private_key(ec.SECP256R1())))
     with pytest.raises(SignatureError, match="invalid"):  # the timestamp is signed too
         sendgrid(body, dict(headers, **{"X-Twilio-Email-Event-Webhook-Timestamp": str(int(TS) + 1)}))
     with pytest.raises(SignatureError, match="base64"):
@@ -848,14 +817,6 @@ def test_sendgrid_malformed_payloads_are_payload_errors() -> None:
 
 # == generic ======================================================================================
 
-GENERIC_SECRET = "generic-secret-0123456789abcdef"
-
-
-def generic_headers(body: bytes, *, ts: str = TS, secret: str = GENERIC_SECRET) -> dict[str, str]:
-    mac = hmac.new(secret.encode(), f"{ts}.".encode() + body, hashlib.sha256).hexdigest()
-    return {"Sendonce-Signature": f"sha256={mac}", "Sendonce-Timestamp": ts}
-
-
 GENERIC_PAYLOAD: dict[str, Any] = {
     "events": [
         {
@@ -876,7 +837,7 @@ GENERIC_PAYLOAD: dict[str, Any] = {
 def generic(payload: dict[str, Any] | bytes, headers: dict[str, str] | None = None, **kw: Any) -> Any:
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     config = kw.get("config", WebhookConfig(generic_secret=GENERIC_SECRET))
-    headers = generic_headers(body) if headers is None else headers
+    headers = generic_headers(body, ts=TS) if headers is None else headers
     return parse_webhook("generic", headers, body, config, now=NOW, fetch_certificate=no_fetch)
 
 
@@ -898,11 +859,11 @@ def test_generic_events_are_parsed() -> None:
 
 def test_generic_refuses_tampering_staleness_and_missing_parts() -> None:
     body = json.dumps(GENERIC_PAYLOAD).encode()
-    headers = generic_headers(body)
+    headers = generic_headers(body, ts=TS)
     with pytest.raises(SignatureError, match="invalid"):
         generic(body.replace(b"soft_bounce", b"hard_bounce"), headers)
     with pytest.raises(SignatureError, match="invalid"):
-        generic(body, generic_headers(body, secret="not the secret"))
+        generic(body, generic_headers(body, ts=TS, secret="not the secret"))
     with pytest.raises(SignatureError, match="invalid"):  # the timestamp is inside the MAC
         generic(body, dict(headers, **{"Sendonce-Timestamp": str(int(TS) - 1)}))
     with pytest.raises(SignatureError, match="too old"):
@@ -1044,11 +1005,11 @@ def test_any_changed_byte_breaks_the_signature(data: st.DataObject) -> None:
         body[:index] + bytes([body[index] ^ data.draw(st.integers(min_value=1, max_value=255))]) + body[index + 1 :]
     )
     with pytest.raises(SignatureError):
-        generic(flipped, generic_headers(body))
+        generic(flipped, generic_headers(body, ts=TS))
     with pytest.raises(SignatureError):
-        resend(flipped, svix_headers(body))
+        resend(flipped, svix_headers(body, ts=TS))
     with pytest.raises(SignatureError):
-        sendgrid(flipped, sendgrid_headers(body))
+        sendgrid(flipped, sendgrid_headers(body, ts=TS))
 
 
 @settings(max_examples=60, deadline=None)
