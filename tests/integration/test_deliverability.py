@@ -10,6 +10,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -26,6 +27,7 @@ from sendonce.transports.registry import transport_from_url
 from tests.conftest import ApiServer
 from tests.helpers import (
     PUBLIC_URL,
+    SNS_KEY,
     TEST_SECRET,
     campaign_setup,
     campaign_status,
@@ -33,8 +35,9 @@ from tests.helpers import (
     emails,
     run_to_drain,
     running_worker,
+    sns_certificate,
 )
-from tests.unit.test_webhooks import CERT_URL, SNS_CERT, TOPIC, sns_notification, svix_headers
+from tests.unit.test_webhooks import CERT_URL, TOPIC, sns_confirmation, sns_notification, svix_headers
 
 ADMIN = {"Authorization": "Bearer test-admin-token"}
 DRAIN = WorkerConfig(tick=0.2, lease=5, drain=True, backoff_base=0.05)
@@ -299,9 +302,19 @@ async def test_resend_svix_webhook(database_url: str, client: httpx.Client) -> N
     assert client.post("/v1/webhooks/resend", content=tampered, headers=headers).status_code == 401
 
 
-async def test_ses_over_sns_with_a_test_certificate(database_url: str, client: httpx.Client) -> None:
+@pytest.fixture
+def sns_certificate_at_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The certificate of the test's SNS key, valid today by the real clock (the route checks it
+    against that), served from the route's cache for this test only: nothing is fetched."""
     from sendonce.api.routes import webhooks
 
+    now = datetime.now(UTC)
+    pem = sns_certificate(SNS_KEY, not_before=now - timedelta(days=1), not_after=now + timedelta(days=1))
+    monkeypatch.setitem(webhooks._CERTIFICATES, CERT_URL, pem)
+
+
+@pytest.mark.usefixtures("sns_certificate_at_hand")
+async def test_ses_over_sns_with_a_test_certificate(database_url: str, client: httpx.Client) -> None:
     await _sent_campaign(database_url, ["ann@example.test"])
     job = _one(database_url, "SELECT job_id FROM sendonce.deliveries")[0]
     record = {
@@ -323,8 +336,6 @@ async def test_ses_over_sns_with_a_test_certificate(database_url: str, client: h
             "headers": [{"name": "Sendonce-Job-Id", "value": job}],
         },
     }
-    # The certificate of the test key is served from the route's cache: no fetch from the network.
-    webhooks._CERTIFICATES[CERT_URL] = SNS_CERT
     envelope = sns_notification(record, version="2")
     for _ in range(2):
         response = client.post("/v1/webhooks/ses", content=json.dumps(envelope).encode())
@@ -333,6 +344,23 @@ async def test_ses_over_sns_with_a_test_certificate(database_url: str, client: h
     assert _one(database_url, "SELECT reason FROM sendonce.suppressions") == ("bounce",)
     envelope["Message"] = envelope["Message"].replace("Permanent", "Transient")
     assert client.post("/v1/webhooks/ses", content=json.dumps(envelope).encode()).status_code == 401
+
+
+@pytest.mark.usefixtures("sns_certificate_at_hand")
+def test_an_sns_subscription_whose_url_cannot_be_reached_is_a_503(
+    client: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A signed SubscriptionConfirmation: the API confirms it by fetching its SubscribeURL. That fetch
+    # failing was a 500; SNS sends the confirmation again on any failure, so it is a 503 to retry.
+    def unreachable(url: str, **_: Any) -> httpx.Response:
+        raise httpx.ConnectError(f"cannot reach {url}")
+
+    monkeypatch.setattr(httpx, "get", unreachable)
+    headers = {"x-amz-sns-message-type": "SubscriptionConfirmation"}
+    response = client.post("/v1/webhooks/ses", content=json.dumps(sns_confirmation()).encode(), headers=headers)
+    assert response.status_code == 503, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert "SubscribeURL could not be reached" in response.json()["detail"]
 
 
 async def test_a_campaign_with_too_many_bounces_pauses_itself(database_url: str, client: httpx.Client) -> None:

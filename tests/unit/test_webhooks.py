@@ -371,6 +371,16 @@ def test_ses_subscription_and_unsubscribe_confirmations() -> None:
         ses(sns_confirmation(SubscribeURL="https://evil.example/?Action=ConfirmSubscription"), headers={})
 
 
+def test_ses_a_lone_surrogate_in_a_signed_field_is_a_payload_error() -> None:
+    # JSON can spell a lone surrogate ("\\ud800"); no signed SNS text holds one. It was a
+    # UnicodeEncodeError out of the parser (a 422 from the app's fallback), not a refused webhook.
+    body = json.dumps(sns_notification(ses_delivery())).replace(
+        '"Type": "Notification"', '"Type": "Notification", "Subject": "\\ud800"'
+    )
+    with pytest.raises(PayloadError, match="not valid Unicode"):
+        ses(body.encode())
+
+
 def test_ses_malformed_payloads_are_payload_errors() -> None:
     with pytest.raises(PayloadError, match="not valid JSON"):
         ses(b"{not json")

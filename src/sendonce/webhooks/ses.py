@@ -109,7 +109,10 @@ def string_to_sign(envelope: Mapping[str, Any], message_type: str) -> bytes:
                 continue
             raise PayloadError(f"{name} is missing")
         parts.append(f"{name}\n{fields.as_str(value, name)}\n")
-    return "".join(parts).encode("utf-8")
+    try:
+        return "".join(parts).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no text SNS signs, nor any UTF-8 it could send
+        raise PayloadError("a signed field is not valid Unicode text") from None
 
 
 def verify_sns_signature(

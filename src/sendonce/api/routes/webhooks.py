@@ -77,7 +77,11 @@ async def receive(
             host = urlsplit(parsed.subscribe_url).hostname or ""
             if not re.fullmatch(config.sns_cert_host_pattern, host):
                 raise Problem(400, "the SubscribeURL is not an SNS address")
-            response = await asyncio.to_thread(httpx.get, parsed.subscribe_url, timeout=10.0)
+            try:
+                response = await asyncio.to_thread(httpx.get, parsed.subscribe_url, timeout=10.0)
+            except httpx.HTTPError as exc:
+                # SNS sends the confirmation again when it gets no 2xx: a retry may reach it
+                raise Problem(503, f"the SubscribeURL could not be reached: {exc}; retry later") from None
             confirmed = response.status_code == 200
         return {"subscription": parsed.topic_arn, "confirmed": confirmed}
     new = unattributed = 0
