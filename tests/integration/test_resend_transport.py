@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import socket
 import struct
 
@@ -129,3 +130,37 @@ async def test_a_server_error_is_about_the_message_and_uncertain() -> None:
     with ResendServer(faults=ResendFaults(server_error=1.0)) as provider:
         outcome = await _send(provider.url, _message())
     assert isinstance(outcome, Retry) and outcome.uncertain and not outcome.transport_wide, outcome
+
+
+@pytest.mark.parametrize(
+    ("status", "name", "uncertain", "transport_wide"),
+    [
+        (503, "service_unavailable", True, True),  # the provider is down: it may have taken it, even so
+        (502, "bad_gateway", True, True),
+        (403, "validation_error", False, False),  # the account's domain, not every account's: counted
+    ],
+)
+async def test_how_a_provider_answer_is_read(status: int, name: str, uncertain: bool, transport_wide: bool) -> None:
+    """The statuses the test provider does not make, from a real HTTP server that answers them."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+        )
+        await reader.readexactly(length)
+        body = json.dumps({"name": name, "message": "no"}).encode()
+        writer.write(
+            f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        outcome = await _send_to(port)
+    assert (outcome.uncertain, outcome.transport_wide) == (uncertain, transport_wide), outcome
+    assert outcome.error.startswith(str(status))

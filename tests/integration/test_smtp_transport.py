@@ -501,12 +501,35 @@ async def test_no_relay_at_all_is_a_transport_wide_failure() -> None:
 
 
 @MODES
-async def test_a_refusal_of_one_message_is_not_transport_wide(pipelining: bool) -> None:
-    """A 451 to the content, or a connection lost after it, is about this message: counted."""
-    with Inbox(faults=InboxFaults(drop_after_data=1.0)) as inbox:
+@pytest.mark.parametrize(
+    ("faults", "uncertain"),
+    [
+        (InboxFaults(reject=lambda _: "451 4.7.1 greylisted, try again"), False),
+        (InboxFaults(drop_after_data=1.0), True),
+    ],
+    ids=["451-to-rcpt", "lost-after-the-content"],
+)
+async def test_a_refusal_of_one_message_is_not_transport_wide(
+    pipelining: bool, faults: InboxFaults, uncertain: bool
+) -> None:
+    """A 451 to the recipient, or a connection lost after the content, is about this message: counted."""
+    with Inbox(faults=faults) as inbox:
         channel = _channel(inbox, pipelining=pipelining)
         try:
             outcome = await channel.send(_message(1), timeout=5)
         finally:
             await channel.close()
-    assert isinstance(outcome, Retry) and outcome.uncertain and not outcome.transport_wide, outcome
+    assert isinstance(outcome, Retry) and outcome.uncertain == uncertain and not outcome.transport_wide, outcome
+
+
+@MODES
+async def test_a_421_at_any_step_is_transport_wide(pipelining: bool) -> None:
+    """421: the service is not available (RFC 5321), whatever command it answers: the server's state."""
+    with Inbox(faults=InboxFaults(reject=lambda _: "421 4.3.2 too busy, closing")) as inbox:
+        channel = _channel(inbox, pipelining=pipelining)
+        try:
+            outcome = await channel.send(_message(1), timeout=5)
+        finally:
+            await channel.close()
+    assert isinstance(outcome, Retry) and outcome.transport_wide and not outcome.uncertain, outcome
+    assert outcome.error.startswith("rcpt: 421")

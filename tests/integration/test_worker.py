@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from sendonce.delivery.worker import Held, Worker, WorkerConfig, _Result
+from sendonce.outbox import enqueue_async
 from sendonce.store import campaigns, outbox
 from sendonce.store.database import connect
 from sendonce.testing.inbox import Inbox, InboxFaults
@@ -23,6 +24,7 @@ from tests.helpers import (
     campaign_status,
     composer,
     emails,
+    make_account,
     proxy_target,
     run_to_drain,
     through_proxy,
@@ -313,12 +315,21 @@ async def test_an_uncertain_outcome_recorded_late_dates_its_doubt_from_the_claim
     assert ledger == [{"attempt": again.attempt, "reason": "resend_after_idempotency_key_expired"}]
 
 
-async def test_a_campaign_row_whose_key_another_sender_used_fails_and_says_why(database_url: str) -> None:
+@pytest.mark.parametrize("kind", ["campaign", "transactional"])
+async def test_a_row_whose_key_another_sender_used_fails_and_says_why(database_url: str, kind: str) -> None:
     # Another installation sharing the provider's API key (so the same job ids) sent its own message
     # under this row's key first. The provider answers our first attempt with a 409: the row fails,
     # saying why, rather than being recorded sent when our message was never delivered.
-    setup = await campaign_setup(database_url, emails(2))
-    await _prebuild(database_url)
+    if kind == "campaign":
+        await campaign_setup(database_url, emails(2))
+        await _prebuild(database_url)
+    else:
+        async with await connect(database_url) as conn:
+            account_id, _ = await make_account(conn)
+            for n in range(2):
+                await enqueue_async(
+                    conn, account_id=account_id, to=f"t{n}@example.test", subject="s", text="t", key=f"k{n}"
+                )
     async with await connect(database_url) as conn:
         rows = await (await conn.execute("SELECT job_id FROM sendonce.deliveries ORDER BY delivery_id")).fetchall()
     taken = rows[0]["job_id"]
@@ -336,13 +347,13 @@ async def test_a_campaign_row_whose_key_another_sender_used_fails_and_says_why(d
         delivered = provider.by_job()
     assert delivered == {taken: 1, rows[1]["job_id"]: 1}  # the first is the other sender's message
     async with await connect(database_url) as conn:
-        failed = await (
-            await conn.execute("SELECT job_id, last_error FROM sendonce.deliveries WHERE status = 'failed'")
+        ended = await (
+            await conn.execute("SELECT job_id, status::text, last_error FROM sendonce.deliveries ORDER BY delivery_id")
         ).fetchall()
-    assert [row["job_id"] for row in failed] == [taken]
-    assert "already used by another sender" in failed[0]["last_error"]
-    _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
-    assert (counts.sent, counts.failed, counts.possible_duplicate) == (1, 1, 0)
+        ledger = await (await conn.execute("SELECT count(*) AS n FROM sendonce.possible_duplicates")).fetchone()
+    assert [(row["job_id"], row["status"]) for row in ended] == [(taken, "failed"), (rows[1]["job_id"], "sent")]
+    assert "already used by another sender" in ended[0]["last_error"]
+    assert ledger == {"n": 0}
 
 
 async def test_a_relay_that_is_down_holds_the_mail_and_is_probed_not_hammered(database_url: str) -> None:
@@ -371,7 +382,7 @@ async def test_a_relay_that_is_down_holds_the_mail_and_is_probed_not_hammered(da
                 )
             ).fetchone()
         assert row is not None and (row["failed"], row["failures"]) == (0, 0)
-        assert row["error"].startswith("connect:")
+        assert (row["error"] or "").startswith("connect:"), row
         proxy.heal()
         await worker
         refused = proxy.refused
@@ -380,6 +391,47 @@ async def test_a_relay_that_is_down_holds_the_mail_and_is_probed_not_hammered(da
     assert refused < len(addresses)  # probed: fewer tries than there were messages waiting
     _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
     assert (counts.sent, counts.failed) == (40, 0)
+
+
+async def _paused_by_a_rate_limit(database_url: str, provider: ResendServer, backoff: float) -> tuple[Worker, Any]:
+    """A worker (one lane) whose first request met a 429: its lane is pausing, holding a row."""
+    config = WorkerConfig(concurrency=1, batch_size=5, tick=0.2, lease=5.0, backoff_base=backoff, backoff_cap=backoff)
+    worker = Worker(database_url, transport_from_url(provider.url), config, composer=composer())
+    task = asyncio.create_task(worker.run())
+    async with asyncio.timeout(30):
+        while provider.faults.counts["429"] < 1 or worker._outage_until == 0.0:
+            await asyncio.sleep(0.02)
+    return worker, task
+
+
+async def test_a_campaign_paused_while_the_lanes_wait_out_an_outage_is_not_sent(database_url: str) -> None:
+    # Over an idempotent transport a send has no gate: the row a lane took while the provider asked
+    # it to slow down is looked at again when the pause ends. Its campaign was paused meanwhile: it is
+    # given back, not sent.
+    setup = await campaign_setup(database_url, emails(10))
+    with ResendServer(faults=ResendFaults(rate_limited=1.0)) as provider:
+        worker, task = await _paused_by_a_rate_limit(database_url, provider, backoff=4.0)  # a pause of 2-6 s
+        async with await connect(database_url) as conn:
+            paused = await campaigns.transition(conn, setup.account_id, setup.campaign_id, "pause")  # type: ignore[arg-type]
+            assert paused.won
+        provider.faults.rate_limited = 0.0
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(max(worker._outage_until - loop.time(), 0.0) + 1.0)  # the pause is over
+        worker.stop()
+        await asyncio.wait_for(task, 30)
+        assert provider.accepted == []
+    _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert (counts.sent, counts.sending, counts.queued) == (0, 0, 10)
+
+
+async def test_a_stop_does_not_wait_out_an_outage_pause(database_url: str) -> None:
+    setup = await campaign_setup(database_url, emails(10))
+    with ResendServer(faults=ResendFaults(rate_limited=1.0)) as provider:
+        worker, task = await _paused_by_a_rate_limit(database_url, provider, backoff=60.0)  # a pause of 30-60 s
+        worker.stop()
+        await asyncio.wait_for(task, 10)  # the lane stops waiting; what it held is given back
+    _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert (counts.sent, counts.sending) == (0, 0)
 
 
 async def test_an_outage_of_days_keeps_its_pause_within_the_probe_interval(database_url: str) -> None:

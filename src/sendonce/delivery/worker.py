@@ -57,6 +57,9 @@ T = TypeVar("T")
 
 _OUTAGE_PROBE_EVERY = 60.0
 """While the transport is down, the lanes try again at least this often (seconds)."""
+_RETRY_AFTER_CAP = 300.0
+"""A provider's Retry-After pauses the lanes for at most this long (seconds): rows held meanwhile
+(a campaign paused, a stop) wait for the pause's end to be given back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -707,7 +710,7 @@ class Worker:
                 return  # a lane that started before the pause began: the same outage, the same pause
             pause = min(self._backoff(min(self._outage_streak, 16), None), _OUTAGE_PROBE_EVERY)
             if outcome.retry_after is not None:
-                pause = max(pause, outcome.retry_after)
+                pause = max(pause, min(outcome.retry_after, _RETRY_AFTER_CAP))
             self._outage_streak += 1
             self._outage_until = loop.time() + pause
             logger.warning(
@@ -810,7 +813,7 @@ class Worker:
                 sent.append(SentRecord(d.account_id, d.delivery_id, d.attempt, outcome.message_id, result.sent_at))
             elif isinstance(outcome, Retry) and outcome.transport_wide:
                 # not this message's failure: back to the queue, uncounted, until the outage's probe time
-                delay = max(self._outage_until - asyncio.get_running_loop().time(), outcome.retry_after or 0.0, 0.0)
+                delay = max(self._outage_until - asyncio.get_running_loop().time(), 0.0)
                 retry.append(
                     RetryRecord(
                         d.account_id, d.delivery_id, d.attempt, delay, outcome.error, outcome.uncertain, counted=False

@@ -174,10 +174,19 @@ class ResendChannel(Channel):
             # slow down: every message alike, for at least Retry-After
             return Retry(detail, retry_after=_retry_after(response), transport_wide=True)
         if status >= 500:
-            return Retry(detail, uncertain=True, retry_after=_retry_after(response))
-        if status in (401, 403):
-            # Our credentials or the account's standing, not this message: a key revoked or rotated
-            # must not fail every row it meets. Retried, not counted against the message (as an SMTP
-            # login refused is), until the operator fixes it. Refused: nothing was delivered.
+            # It may have taken the message (uncertain). A gateway or an outage (502, 503, 504) is the
+            # provider's state, not this message's: not counted against it, and the lanes pause.
+            return Retry(
+                detail, uncertain=True, retry_after=_retry_after(response), transport_wide=status in (502, 503, 504)
+            )
+        if status == 401:
+            # Our API key, not this message: a key revoked or rotated must not fail every row it
+            # meets. Retried, not counted against the message (as an SMTP login refused is), until
+            # the operator fixes it. Refused: nothing was delivered.
             return Retry(detail, transport_wide=True)
+        if status == 403:
+            # The sending account's standing (a domain not verified, a sender not allowed): not this
+            # message's content, but not every account's either. Retried, counted: it fails after
+            # the usual tries unless the operator fixes it meanwhile.
+            return Retry(detail)
         return Permanent(detail)

@@ -408,8 +408,11 @@ class SmtpChannel(Channel):
             await self.close()
             return Retry(f"{phase}: unexpected answer to the content: {code} {text}"[:500], uncertain=True)
         self._dirty = True
-        if code == 421:  # the server is closing the connection
+        if code == 421:
+            # The server is closing the connection (RFC 5321: the service is not available), at any
+            # step: its state, not this message's. Retry, not counted, while the lanes pause.
             await self.close()
+            return Retry(f"{phase}: {code} {text}"[:500], transport_wide=True)
         if phase == "connect":
             # A refused greeting, STARTTLS or login says nothing about this message: the server or
             # its settings are wrong, and every message would fail alike. Retry, not counted against

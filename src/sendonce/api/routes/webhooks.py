@@ -82,6 +82,8 @@ async def receive(
             except httpx.HTTPError as exc:
                 # SNS sends the confirmation again when it gets no 2xx: a retry may reach it
                 raise Problem(503, f"the SubscribeURL could not be reached: {exc}; retry later") from None
+            if response.status_code >= 500:
+                raise Problem(503, f"the SubscribeURL answered {response.status_code}; retry later")
             confirmed = response.status_code == 200
         return {"subscription": parsed.topic_arn, "confirmed": confirmed}
     new = unattributed = 0

@@ -452,13 +452,13 @@ SELECT account_id, delivery_id, job_id, kind, campaign_id, subscriber_id, email,
 -- Extend the leases a worker still holds, fenced by attempt. Only the lease: updated_at stays the
 -- claim's time, which dates the doubt of an attempt whose outcome is unknown (requeue_expired).
 -- SKIP LOCKED: a row the worker's own recorder is completing at this moment is skipped rather than
--- waited for, so renewal and recording never deadlock on rows they take in different orders. A row can also be locked for an instant by
--- another worker's claim (a FOR UPDATE that meets a row just claimed keeps its lock until its
--- statement ends, even though it then skips the row), so a skipped row is not a lost one: the second
--- part answers, without locking, which skipped rows are still this worker's ('sending', same attempt)
--- and therefore only not renewed this time (renewed = false). A row in neither part is no longer
--- this worker's: it must not be sent. campaign_active is false when its campaign was paused or
--- cancelled, so the worker can release what it has not started.
+-- waited for, so renewal and recording never deadlock on rows they take in different orders. A row
+-- can also be locked for an instant by another worker's claim (a FOR UPDATE that meets a row just
+-- claimed keeps its lock until its statement ends, even though it then skips the row), so a skipped
+-- row is not a lost one: the second part answers, without locking, which skipped rows are still
+-- this worker's ('sending', same attempt) and therefore only not renewed this time (renewed =
+-- false). A row in neither part is no longer this worker's: it must not be sent. campaign_active is
+-- false when its campaign was paused or cancelled, so the worker can release what it has not started.
 WITH held AS (
     SELECT * FROM unnest(%(account_ids)b::bigint[], %(delivery_ids)b::bigint[], %(attempts)b::int[])
            AS u(account_id, delivery_id, attempt)
@@ -522,7 +522,8 @@ UPDATE sendonce.deliveries d
                                     THEN 0 ELSE 1 END,
        failure_attempt = CASE WHEN u.counted THEN u.attempt ELSE d.failure_attempt END,
        last_error = u.error, uncertain = d.uncertain OR u.uncertain,
-       uncertain_since = CASE WHEN u.uncertain THEN coalesce(d.uncertain_since, d.updated_at) ELSE d.uncertain_since END,
+       uncertain_since = CASE WHEN u.uncertain THEN coalesce(d.uncertain_since, d.updated_at)
+                              ELSE d.uncertain_since END,
        lease_expires_at = NULL, updated_at = now()
   FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[],
               %(delays)s::float8[], %(errors)s::text[], %(uncertain)s::bool[], %(counted)s::bool[])
@@ -540,7 +541,8 @@ UPDATE sendonce.deliveries d
        feedback = CASE WHEN u.hard_bounce THEN 'hard_bounce' ELSE d.feedback END,
        feedback_at = CASE WHEN u.hard_bounce THEN now() ELSE d.feedback_at END,
        uncertain = d.uncertain OR u.uncertain,
-       uncertain_since = CASE WHEN u.uncertain THEN coalesce(d.uncertain_since, d.updated_at) ELSE d.uncertain_since END
+       uncertain_since = CASE WHEN u.uncertain THEN coalesce(d.uncertain_since, d.updated_at)
+                              ELSE d.uncertain_since END
   FROM unnest(%(account_ids)s::bigint[], %(delivery_ids)s::bigint[], %(attempts)s::int[],
               %(errors)s::text[], %(hard_bounces)s::bool[], %(uncertain)s::bool[])
        AS u(account_id, delivery_id, attempt, error, hard_bounce, uncertain)
