@@ -9,7 +9,9 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
+from sendonce.delivery.metrics import WorkerCollector
 from sendonce.delivery.worker import Held, Worker, WorkerConfig, _Result
 from sendonce.outbox import enqueue_async
 from sendonce.store import campaigns, outbox
@@ -358,8 +360,9 @@ async def test_a_row_whose_key_another_sender_used_fails_and_says_why(database_u
 
 async def test_a_relay_that_is_down_holds_the_mail_and_is_probed_not_hammered(database_url: str) -> None:
     # The relay resets every connection for a while (down, restarting, a firewall): a failure of the
-    # transport, not of any message. No message may fail for it, however long it lasts, and the
-    # lanes pause between tries rather than running the whole queue into the refusing relay.
+    # transport, not of any message. No message may fail for it, however long it lasts, the lanes
+    # pause between tries rather than running the whole queue into the refusing relay, and the
+    # worker's metrics say the transport is down.
     addresses = emails(40)
     setup = await campaign_setup(database_url, addresses)
     config = WorkerConfig(
@@ -367,9 +370,10 @@ async def test_a_relay_that_is_down_holds_the_mail_and_is_probed_not_hammered(da
     )
     with Inbox() as inbox, TcpProxy(target_host="127.0.0.1", target_port=inbox.port) as proxy:
         proxy.cut()
-        worker = asyncio.create_task(
-            run_to_drain(database_url, transport_from_url(f"smtp://127.0.0.1:{proxy.port}"), config)
-        )
+        worker = Worker(database_url, transport_from_url(f"smtp://127.0.0.1:{proxy.port}"), config, composer=composer())
+        registry = CollectorRegistry()
+        registry.register(WorkerCollector(worker))
+        task = asyncio.create_task(worker.run())
         await asyncio.sleep(2.0)  # the outage lasts
         async with asyncio.timeout(30):
             while proxy.refused < 4:  # met the outage, paused, and probed it again
@@ -383,12 +387,15 @@ async def test_a_relay_that_is_down_holds_the_mail_and_is_probed_not_hammered(da
             ).fetchone()
         assert row is not None and (row["failed"], row["failures"]) == (0, 0)
         assert (row["error"] or "").startswith("connect:"), row
+        assert (registry.get_sample_value("sendonce_worker_transport_outage_seconds") or 0) > 0
+        assert (registry.get_sample_value("sendonce_worker_transport_failures_total") or 0) >= 4
         proxy.heal()
-        await worker
+        await asyncio.wait_for(task, 60)
         refused = proxy.refused
         received = inbox.by_recipient()
     assert received == dict.fromkeys(addresses, 1)
     assert refused < len(addresses)  # probed: fewer tries than there were messages waiting
+    assert registry.get_sample_value("sendonce_worker_transport_outage_seconds") == 0
     _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
     assert (counts.sent, counts.failed) == (40, 0)
 

@@ -4,7 +4,9 @@ The figures are read from the worker when the endpoint is scraped, so the send p
 for them. Alert on ``sendonce_worker_database_outage_seconds > 60`` (an operation that has been
 failing for a minute: a database down, or left read-only after a failover) and on
 ``sendonce_worker_fenced_out_total`` rising (outcomes refused because another worker had
-re-claimed the row: leases too short for the sends, or a worker cut off from the database).
+re-claimed the row: leases too short for the sends, or a worker cut off from the database), and on
+``sendonce_worker_transport_outage_seconds > 300`` (the relay or the provider has refused every try
+for five minutes: the mail waits, nothing fails, but nothing goes out).
 """
 
 from __future__ import annotations
@@ -68,6 +70,17 @@ class WorkerCollector(Collector):
         for operation, seconds in sorted(worker.outages.seconds().items()):
             outage.add_metric([operation], seconds)
         yield outage
+        yield CounterMetricFamily(
+            "sendonce_worker_transport_failures",
+            "Failures of the transport itself (unreachable, login or API key refused, 421, 429, 502-504): "
+            "not counted against the messages, which wait",
+            value=worker.stats.transport_failures,
+        )
+        yield GaugeMetricFamily(
+            "sendonce_worker_transport_outage_seconds",
+            "How long the transport has been failing as a whole, the lanes pausing (0: it works)",
+            value=worker.transport_outage_seconds,
+        )
 
 
 def serve_metrics(worker: Worker, host: str, port: int) -> tuple[WSGIServer, Thread]:

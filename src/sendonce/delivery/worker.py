@@ -159,6 +159,8 @@ class WorkerStats:
     lost_leases: int = 0
     deferred: int = 0
     """Rows put back by a per-domain rate limit (not failures)."""
+    transport_failures: int = 0
+    """Failures of the transport itself (see Retry.transport_wide): not counted against messages."""
 
 
 @dataclass(slots=True)
@@ -275,8 +277,17 @@ class Worker:
         time (loop clock): the relay is probed by one try per lane and pause, not by every queued row."""
         self._outage_streak = 0
         """Transport-wide failures in a row, each after its pause: the next pause is twice as long."""
+        self._outage_since: float | None = None
+        """When the current transport outage began (time.monotonic(): read from the metrics thread too);
+        None: the transport works."""
         if faults.active:
             faults.witness = self._witness
+
+    @property
+    def transport_outage_seconds(self) -> float:
+        """How long the transport has been failing as a whole (0: it works, as far as this worker knows)."""
+        since = self._outage_since  # read once: the metrics thread reads it while the loop writes it
+        return 0.0 if since is None else time.monotonic() - since
 
     @property
     def held_count(self) -> int:
@@ -706,6 +717,9 @@ class Worker:
         answering about a message ends it."""
         loop = asyncio.get_running_loop()
         if isinstance(outcome, Retry) and outcome.transport_wide:
+            self.stats.transport_failures += 1
+            if self._outage_since is None:
+                self._outage_since = time.monotonic()
             if loop.time() < self._outage_until:
                 return  # a lane that started before the pause began: the same outage, the same pause
             pause = min(self._backoff(min(self._outage_streak, 16), None), _OUTAGE_PROBE_EVERY)
@@ -720,9 +734,14 @@ class Worker:
                 extra={"action": "transport_outage"},
             )
         elif isinstance(outcome, Accepted | Permanent):
-            if self._outage_streak:
-                logger.info("transport available again", extra={"action": "transport_back"})
+            if self._outage_since is not None:
+                logger.info(
+                    "transport available again after %.0fs",
+                    time.monotonic() - self._outage_since,
+                    extra={"action": "transport_back"},
+                )
             self._outage_streak = 0
+            self._outage_since = None
 
     async def _outage_pause(self) -> None:
         loop = asyncio.get_running_loop()
