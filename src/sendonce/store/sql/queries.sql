@@ -637,10 +637,7 @@ SELECT EXISTS (SELECT 1 FROM sendonce.suppressions x
   LEFT JOIN LATERAL (
       SELECT s.signup_id, s.status, w.answer,
              w.opened_at > now() - %(window)s::interval
-             AND NOT EXISTS (SELECT 1 FROM sendonce.deliveries d
-                              WHERE d.account_id = w.account_id
-                                AND d.job_id = 'signup:' || w.window_id || ':' || w.generation
-                                AND d.status IN ('failed', 'suppressed') AND NOT d.uncertain) AS open
+             AND NOT sendonce.window_mail_dead(w.account_id, w.window_id, w.generation) AS open
         FROM sendonce.signups s
         LEFT JOIN sendonce.signup_windows w
           ON w.account_id = s.account_id AND w.operation_key = %(operation_key)s
@@ -655,12 +652,10 @@ SELECT EXISTS (SELECT 1 FROM sendonce.suppressions x
 
 -- lock_window --
 -- The window of an operation under a given key, locked; open is true while it has not run out and
--- its mail is not certainly dead (see open_window).
+-- its mail is not certainly dead (sendonce.window_mail_dead, migration 0009).
 SELECT w.window_id, w.generation, w.answer,
        w.opened_at > now() - %(window)s::interval
-       AND NOT EXISTS (SELECT 1 FROM sendonce.deliveries d
-                        WHERE d.account_id = w.account_id AND d.job_id = 'signup:' || w.window_id || ':' || w.generation
-                          AND d.status IN ('failed', 'suppressed') AND NOT d.uncertain) AS open
+       AND NOT sendonce.window_mail_dead(w.account_id, w.window_id, w.generation) AS open
   FROM sendonce.signup_windows w
  WHERE w.account_id = %(account_id)s AND w.operation_key = %(operation_key)s
    FOR UPDATE OF w;
@@ -680,9 +675,7 @@ ON CONFLICT (account_id, operation_key) DO UPDATE
    SET generation = w.generation + 1, opened_at = now(), answer = EXCLUDED.answer,
        signup_id = EXCLUDED.signup_id
  WHERE w.opened_at <= now() - %(window)s::interval
-    OR EXISTS (SELECT 1 FROM sendonce.deliveries d
-                WHERE d.account_id = w.account_id AND d.job_id = 'signup:' || w.window_id || ':' || w.generation
-                  AND d.status IN ('failed', 'suppressed') AND NOT d.uncertain)
+    OR sendonce.window_mail_dead(w.account_id, w.window_id, w.generation)
 RETURNING window_id, generation;
 
 -- insert_operation --
