@@ -104,7 +104,7 @@ async def request_signup(
     verify_url: Callable[[str], str],
 ) -> SignupOutcome:
     aid = account.account_id
-    current, previous = keys.operation_keys(aid, SIGNUP_EVENT, address.key, origin)
+    current, _ = keys.operation_keys(aid, SIGNUP_EVENT, address.key, origin)
     seen = await _one(
         conn,
         "peek_repeat",
@@ -122,8 +122,9 @@ async def request_signup(
     assert seen is not None
     if seen["suppressed"]:
         raise AddressSuppressed
-    # during a secret rotation the previous key's window decides: the locking way
-    if seen["signup_id"] is not None and previous is None:
+    # An open window under the current key answers here. None (a window under another secret, say
+    # before a rotation, or none at all): the locking way, which finds the signup's latest window.
+    if seen["signup_id"] is not None:
         signup_id = int(seen["signup_id"])
         if seen["status"] == "verified":
             return SignupOutcome(False, _verified(signup_id))
@@ -148,12 +149,13 @@ async def request_signup(
         if signup["status"] == "verified":
             return SignupOutcome(False, _verified(signup_id))
         pending = _pending(signup_id)
-        if previous is not None:
-            # A window opened under the previous secret is still the window: rotation neither
-            # re-opens it nor lets two windows run at once.
-            old = await _one(conn, "lock_window", {"account_id": aid, "operation_key": previous, "window": window})
-            if old is not None and old["open"]:
-                return SignupOutcome(False, _answer(old["answer"], pending))
+        # A window opened under another secret (the previous one, or one already retired) is still
+        # this signup's window: a rotation neither re-opens it nor lets two windows run at once.
+        latest = await _one(
+            conn, "lock_latest_window", {"account_id": aid, "signup_id": signup_id, "window": window}
+        )
+        if latest is not None and latest["operation_key"] != current and latest["open"]:
+            return SignupOutcome(False, _answer(latest["answer"], pending))
         opened = await _one(
             conn,
             "open_window",

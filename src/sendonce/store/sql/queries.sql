@@ -660,6 +660,20 @@ SELECT w.window_id, w.generation, w.answer,
  WHERE w.account_id = %(account_id)s AND w.operation_key = %(operation_key)s
    FOR UPDATE OF w;
 
+-- lock_latest_window --
+-- The signup's latest window under any operation key, locked; open as in lock_window. A window opened
+-- under another secret (before a rotation, or by a process with another secret) is still this
+-- signup's window: while it is open, a request is a repeat of it (migration 0010). The caller holds
+-- the signup row's lock (upsert_signup), so no window of this signup opens meanwhile.
+SELECT w.operation_key, w.answer,
+       w.opened_at > now() - %(window)s::interval
+       AND NOT sendonce.window_mail_dead(w.account_id, w.window_id, w.generation) AS open
+  FROM sendonce.signup_windows w
+ WHERE w.account_id = %(account_id)s AND w.signup_id = %(signup_id)s
+ ORDER BY w.opened_at DESC
+ LIMIT 1
+   FOR UPDATE OF w;
+
 -- open_window --
 -- Open the operation's first window, or a new one if the last has run out (from its first request),
 -- or if the last window's mail certainly reached nobody: it ended failed or suppressed, and no attempt
