@@ -151,9 +151,7 @@ async def request_signup(
         pending = _pending(signup_id)
         # A window opened under another secret (the previous one, or one already retired) is still
         # this signup's window: a rotation neither re-opens it nor lets two windows run at once.
-        latest = await _one(
-            conn, "lock_latest_window", {"account_id": aid, "signup_id": signup_id, "window": window}
-        )
+        latest = await _one(conn, "lock_latest_window", {"account_id": aid, "signup_id": signup_id, "window": window})
         if latest is not None and latest["operation_key"] != current and latest["open"]:
             return SignupOutcome(False, _answer(latest["answer"], pending))
         opened = await _one(
