@@ -452,6 +452,46 @@ async def test_client_idempotency_keys(client: httpx.Client, database_url: str) 
         assert conn.execute("SELECT count(*) FROM sendonce.deliveries").fetchone() == (1,)
 
 
+async def test_an_expired_idempotency_key_starts_over(client: httpx.Client, database_url: str) -> None:
+    # The key was used for another request more than a day ago: its answer expired, and the key
+    # serves the new request (one statement reserves it, so a prune of the old row meanwhile is moot).
+    aid, auth = account(client)
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            """INSERT INTO sendonce.idempotency_keys (account_id, idempotency_key, request_hash, method, path,
+                                                      response_status, response_body, expires_at)
+               VALUES (%s, 'old', 'another request', 'POST', '/v1/lists', 201, '{}', now() - interval '2 hours')""",
+            (aid,),
+        )
+    first = client.post("/v1/lists", json={"name": "n"}, headers={**auth, "Idempotency-Key": "old"})
+    assert first.status_code == 201 and "Idempotent-Replayed" not in first.headers
+    replay = client.post("/v1/lists", json={"name": "n"}, headers={**auth, "Idempotency-Key": "old"})
+    assert replay.json() == first.json() and replay.headers["Idempotent-Replayed"] == "true"
+
+
+def test_a_sealed_answer_under_a_retired_secret_is_a_clear_409(database_url: str) -> None:
+    # POST /v1/accounts stores its answer (it holds the API key) sealed under the server secret. Once
+    # that secret is neither the current nor the previous one, the replay cannot be read: a 409 that
+    # says so, not a 500 on every retry.
+    body = {"name": "acme", "from_email": "hello@acme.test"}
+    headers = {**ADMIN, "Idempotency-Key": "create-acme"}
+    with ApiServer(database_url, secret=SECRET) as api, httpx.Client(base_url=api.url) as c:
+        created = c.post("/v1/accounts", json=body, headers=headers)
+        assert created.status_code == 201
+    with (
+        ApiServer(database_url, secret="rotated-secret-abcdefghijklmnop", secret_previous=SECRET) as api,
+        httpx.Client(base_url=api.url) as c,
+    ):
+        assert c.post("/v1/accounts", json=body, headers=headers).json() == created.json()
+    with ApiServer(database_url, secret="rotated-secret-abcdefghijklmnop") as api, httpx.Client(base_url=api.url) as c:
+        lost = c.post("/v1/accounts", json=body, headers=headers)
+    assert lost.status_code == 409, lost.text
+    assert lost.headers["content-type"].startswith("application/problem+json")
+    assert lost.json()["type"].endswith("idempotency-answer-unreadable")
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM sendonce.accounts").fetchone() == (1,)
+
+
 @pytest.mark.parametrize(
     ("headers", "message"),
     [

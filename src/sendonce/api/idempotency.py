@@ -26,6 +26,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from sendonce.api.problems import Problem
+from sendonce.domain.keys import InvalidToken
 from sendonce.store.database import Conn
 from sendonce.store.queries import query
 
@@ -88,10 +89,8 @@ async def idempotent(
             reserved = await (await conn.execute(query("insert_idempotency_key"), params)).fetchone()
             if reserved is None:
                 stored = await (await conn.execute(query("get_idempotency_key"), params)).fetchone()
-                assert stored is not None
-                if stored["expired"]:
-                    await conn.execute(query("reuse_expired_idempotency_key"), params)
-                elif stored["request_hash"] != request_hash:
+                assert stored is not None  # live, and locked by this transaction: no prune can take it
+                if stored["request_hash"] != request_hash:
                     raise Problem(
                         422,
                         f"this {HEADER} was used with a different request "
@@ -104,7 +103,17 @@ async def idempotent(
                         on_replay()
                     body = stored["response_body"]
                     if unseal is not None:
-                        body = unseal(body)
+                        try:
+                            body = unseal(body)
+                        except InvalidToken:
+                            raise Problem(
+                                409,
+                                f"this {HEADER}'s request was carried out, but its answer was sealed under "
+                                "a secret that is neither SENDONCE_SECRET nor SENDONCE_SECRET_PREVIOUS any "
+                                "more: it cannot be replayed",
+                                kind="idempotency-answer-unreadable",
+                                title="Stored answer unreadable",
+                            ) from None
                     return Response(
                         body,
                         status_code=stored["response_status"],

@@ -762,27 +762,26 @@ SELECT greatest(0, (%(cost)s - least(%(capacity)s::float8,
  WHERE account_id = %(account_id)s AND bucket = %(bucket)s;
 
 -- insert_idempotency_key --
--- Reserve a client Idempotency-Key for this request, in the request's own transaction. While that
--- transaction runs, a second request with the key waits on it (and is told 409 after lock_timeout).
-INSERT INTO sendonce.idempotency_keys
+-- Reserve a client Idempotency-Key for this request, in the request's own transaction: a new key, or
+-- one whose stored answer expired (24 h), which starts over as a new request. One statement: a
+-- prune deleting the expired row meanwhile makes this an insert, not a lookup that finds nothing.
+-- While the reserving transaction runs, a second request with the key waits on it (and is told 409
+-- after lock_timeout). No row back: the key is live, and its row is locked (ON CONFLICT DO UPDATE
+-- locks it even when its WHERE refuses the update).
+INSERT INTO sendonce.idempotency_keys AS k
        (account_id, idempotency_key, request_hash, method, path, response_status, response_body, expires_at)
 VALUES (%(account_id)s, %(key)s, %(request_hash)s, %(method)s, %(path)s, 0, '', now() + %(ttl)s::interval)
-ON CONFLICT (account_id, idempotency_key) DO NOTHING
+ON CONFLICT (account_id, idempotency_key) DO UPDATE
+   SET request_hash = EXCLUDED.request_hash, method = EXCLUDED.method, path = EXCLUDED.path,
+       response_status = 0, response_body = '', created_at = now(), expires_at = EXCLUDED.expires_at
+ WHERE k.expires_at <= now()
 RETURNING idempotency_key;
 
 -- get_idempotency_key --
--- The stored answer for a key, locked.
-SELECT request_hash, method, path, response_status, response_body, expires_at <= now() AS expired
+-- The stored answer of a live key (insert_idempotency_key locked it).
+SELECT request_hash, method, path, response_status, response_body
   FROM sendonce.idempotency_keys
- WHERE account_id = %(account_id)s AND idempotency_key = %(key)s
-   FOR UPDATE;
-
--- reuse_expired_idempotency_key --
--- A key whose stored answer expired (24 h) starts over as a new request.
-UPDATE sendonce.idempotency_keys
-   SET request_hash = %(request_hash)s, method = %(method)s, path = %(path)s, response_status = 0,
-       response_body = '', created_at = now(), expires_at = now() + %(ttl)s::interval
- WHERE account_id = %(account_id)s AND idempotency_key = %(key)s AND expires_at <= now();
+ WHERE account_id = %(account_id)s AND idempotency_key = %(key)s;
 
 -- store_idempotent_response --
 -- The answer to replay for this key.
