@@ -322,7 +322,7 @@ def outbox_prune(
         async with await connect(url) as conn:
             while True:
                 async with conn.transaction():
-                    rows = await outbox.prune(conn, age, signup_window=settings.signup_window)
+                    rows = await outbox.prune(conn, age)
                     if rows and archive is not None and not dry_run:
                         with archive.open("a", encoding="utf-8") as handle:
                             for row in rows:

@@ -98,28 +98,27 @@ async def idempotent(
                         kind="idempotency-key-reused",
                         title="Idempotency-Key reused",
                     )
-                else:
-                    if on_replay is not None:
-                        on_replay()
-                    body = stored["response_body"]
-                    if unseal is not None:
-                        try:
-                            body = unseal(body)
-                        except InvalidToken:
-                            raise Problem(
-                                409,
-                                f"this {HEADER}'s request was carried out, but its answer was sealed under "
-                                "a secret that is neither SENDONCE_SECRET nor SENDONCE_SECRET_PREVIOUS any "
-                                "more: it cannot be replayed",
-                                kind="idempotency-answer-unreadable",
-                                title="Stored answer unreadable",
-                            ) from None
-                    return Response(
-                        body,
-                        status_code=stored["response_status"],
-                        media_type="application/json",
-                        headers={"Idempotent-Replayed": "true"},
-                    )
+                if on_replay is not None:
+                    on_replay()
+                body = stored["response_body"]
+                if unseal is not None:
+                    try:
+                        body = unseal(body)
+                    except InvalidToken:
+                        raise Problem(
+                            409,
+                            f"this {HEADER}'s request was carried out, but its answer was sealed under "
+                            "a secret that is neither SENDONCE_SECRET nor SENDONCE_SECRET_PREVIOUS any "
+                            "more: it cannot be replayed",
+                            kind="idempotency-answer-unreadable",
+                            title="Stored answer unreadable",
+                        ) from None
+                return Response(
+                    body,
+                    status_code=stored["response_status"],
+                    media_type="application/json",
+                    headers={"Idempotent-Replayed": "true"},
+                )
             await conn.execute("SET LOCAL lock_timeout = 0")
             response = await handler()
             if not 200 <= response.status_code < 300:

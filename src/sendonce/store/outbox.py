@@ -351,18 +351,12 @@ async def open_work(conn: Conn) -> bool:
     return bool(row and row["open"])
 
 
-async def prune(
-    conn: Conn, older_than: timedelta, *, signup_window: timedelta, limit: int = 5000
-) -> list[dict[str, Any]]:
+async def prune(conn: Conn, older_than: timedelta, *, limit: int = 5000) -> list[dict[str, Any]]:
     """Delete one batch of finished rows older than ``older_than``; returns them (for an archive).
 
-    ``signup_window``: the server's default signup window (SENDONCE_SIGNUP_WINDOW), for accounts that
-    have none of their own. Run inside a transaction if the archive must be written before the rows
-    are gone for good.
+    Run inside a transaction if the archive must be written before the rows are gone for good.
     """
-    cursor = await conn.execute(
-        query("prune_outbox"), {"older_than": older_than, "signup_window": signup_window, "limit": limit}
-    )
+    cursor = await conn.execute(query("prune_outbox"), {"older_than": older_than, "limit": limit})
     return list(await cursor.fetchall())
 
 

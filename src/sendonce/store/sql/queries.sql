@@ -817,15 +817,20 @@ WITH doomed AS (
             OR EXISTS (SELECT 1 FROM sendonce.campaigns c
                         WHERE c.account_id = d.account_id AND c.campaign_id = d.campaign_id
                           AND c.status IN ('sent', 'cancelled')))
-       -- The mail of a signup window still open, if it certainly failed, stays: a repeat reads it to
-       -- queue the mail again (open_window); gone, the repeat would be told "queued" for a dead mail.
+       -- The certainly failed mail of a signup's current window (its latest, at its current
+       -- generation) stays, however old: a repeat reads it to queue the mail again (open_window);
+       -- gone, the repeat would be told "queued" for a dead mail. Not whether the window is still
+       -- open: that depends on a window length this command may not share with the API (a server
+       -- default, an account's own), and one such row per signup is all it keeps.
        AND NOT (d.operation_key IS NOT NULL AND d.status IN ('failed', 'suppressed') AND NOT d.uncertain
                 AND EXISTS (SELECT 1 FROM sendonce.signup_windows w
-                              JOIN sendonce.accounts a ON a.account_id = w.account_id
                              WHERE w.account_id = d.account_id
                                AND w.operation_key = split_part(d.operation_key, ':', 1)
                                AND d.operation_key = w.operation_key || ':' || w.generation
-                               AND w.opened_at > now() - coalesce(a.signup_window, %(signup_window)s::interval)))
+                               AND NOT EXISTS (SELECT 1 FROM sendonce.signup_windows later
+                                                WHERE later.account_id = w.account_id
+                                                  AND later.signup_id = w.signup_id
+                                                  AND later.opened_at > w.opened_at)))
      ORDER BY d.delivery_id
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
