@@ -7,6 +7,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,11 @@ import sendonce.errors
 import sendonce.outbox
 from sendonce.delivery.worker import WorkerConfig
 from sendonce.store.database import connect
+from sendonce.store.queries import query
 from sendonce.testing.inbox import Inbox, InboxFaults
 from sendonce.transports.registry import transport_from_url
 from tests.conftest import ApiServer
-from tests.helpers import campaign_setup, emails, run_to_drain, running_worker
+from tests.helpers import campaign_setup, emails, make_account, run_to_drain, running_worker
 
 ADMIN = {"Authorization": "Bearer test-admin-token"}
 SECRET = "s3cret-for-tests-0123456789abcdef"
@@ -312,8 +314,6 @@ async def test_pruning_keeps_the_failed_mail_of_the_current_window(database_url:
     # current window must stay, or the next repeat reads the window as healthy and is told "queued".
     # The API's window here (a day) is not the prune's business: it used to judge "still open" with
     # its own setting (one hour by default) and took the row while the API still read the window open.
-    from datetime import timedelta
-
     from sendonce.store import outbox
 
     with (
@@ -419,6 +419,65 @@ async def test_rotating_the_secret_neither_reopens_nor_breaks_windows(database_u
         "bob@example.test",
         "new@example.test",
     ]
+
+
+async def test_a_window_replaced_under_another_secret_stays_over_after_a_prune(database_url: str, inbox: Inbox) -> None:
+    # Secret A opens a window whose mail certainly fails; secret B (a rotation, another host) opens the
+    # next one, whose mail fails too; a prune takes the first window's dead mail (it is no longer the
+    # current window's). Back on A (a rollback), the first window must not read as open: it was told
+    # "queued" for nothing until it ran out.
+    from sendonce.store import outbox
+
+    dead = Inbox(faults=InboxFaults(reject=lambda _: "451 4.2.0 mailbox busy, try later"))  # until it gives up
+    other = "b-secret-abcdefghijklmnopqrstuv"
+    with dead:
+        for secret in (SECRET, other):
+            with (
+                ApiServer(database_url, secret=secret, public_url="https://app.acme.test") as api,
+                httpx.Client(base_url=api.url) as c,
+            ):
+                if secret == SECRET:
+                    _, auth = account(c)
+                assert signup(c, auth, email="bob@example.test").status_code == 201
+            await run_to_drain(database_url, transport_from_url(dead.url), replace(DRAIN, max_failures=1))
+    with psycopg.connect(database_url) as conn:
+        conn.execute("UPDATE sendonce.deliveries SET updated_at = now() - interval '8 days'")
+    async with await connect(database_url) as conn:
+        pruned = await outbox.prune(conn, timedelta(days=7))
+    assert [row["job_id"].split(":")[2] for row in pruned] == ["1"]  # the first window's mail
+    with (
+        ApiServer(database_url, secret=SECRET, public_url="https://app.acme.test") as api,
+        httpx.Client(base_url=api.url) as c,
+    ):
+        assert signup(c, auth, email="bob@example.test").status_code == 201  # a new mail, queued
+    await send_all(database_url, inbox)
+    assert [m.rcpt_to for m in inbox.messages] == [("bob@example.test",)]
+
+
+async def test_a_window_opens_at_the_clock_time_not_at_its_transaction_start(database_url: str) -> None:
+    # Windows of one signup open one after another under its row lock; the latest is the last opened.
+    # Stamped with now() (the transaction's start), a request that began first but waited on the lock
+    # would open a window that looks older than the one it follows.
+    async with await connect(database_url) as conn:
+        account_id, _ = await make_account(conn)
+        signup_row = await (
+            await conn.execute(
+                "INSERT INTO sendonce.signups (account_id, email, email_key, origin) "
+                "VALUES (%s, 'a@b.test', 'a@b.test', 'web') RETURNING signup_id",
+                (account_id,),
+            )
+        ).fetchone()
+        assert signup_row is not None
+        async with conn.transaction():
+            await asyncio.sleep(0.2)  # as if waiting for the signup's lock
+            params = {"account_id": account_id, "operation_key": "k", "signup_id": signup_row["signup_id"]}
+            await conn.execute(query("open_window"), {**params, "answer": None, "window": timedelta(hours=1)})
+            row = await (
+                await conn.execute(
+                    "SELECT opened_at > now() + interval '0.1 seconds' AS late FROM sendonce.signup_windows"
+                )
+            ).fetchone()
+    assert row == {"late": True}
 
 
 async def test_client_idempotency_keys(client: httpx.Client, database_url: str) -> None:

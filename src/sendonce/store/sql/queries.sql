@@ -637,7 +637,7 @@ SELECT EXISTS (SELECT 1 FROM sendonce.suppressions x
   LEFT JOIN LATERAL (
       SELECT s.signup_id, s.status, w.answer,
              w.opened_at > now() - %(window)s::interval
-             AND NOT sendonce.window_mail_dead(w.account_id, w.window_id, w.generation) AS open
+             AND NOT sendonce.window_ended(w.account_id, w.signup_id, w.window_id, w.generation, w.opened_at) AS open
         FROM sendonce.signups s
         LEFT JOIN sendonce.signup_windows w
           ON w.account_id = s.account_id AND w.operation_key = %(operation_key)s
@@ -652,10 +652,11 @@ SELECT EXISTS (SELECT 1 FROM sendonce.suppressions x
 
 -- lock_window --
 -- The window of an operation under a given key, locked; open is true while it has not run out and
--- its mail is not certainly dead (sendonce.window_mail_dead, migration 0009).
+-- has not ended (sendonce.window_ended, migration 0011: its mail is certainly dead, or a later window
+-- of the signup replaced it).
 SELECT w.window_id, w.generation, w.answer,
        w.opened_at > now() - %(window)s::interval
-       AND NOT sendonce.window_mail_dead(w.account_id, w.window_id, w.generation) AS open
+       AND NOT sendonce.window_ended(w.account_id, w.signup_id, w.window_id, w.generation, w.opened_at) AS open
   FROM sendonce.signup_windows w
  WHERE w.account_id = %(account_id)s AND w.operation_key = %(operation_key)s
    FOR UPDATE OF w;
@@ -667,7 +668,7 @@ SELECT w.window_id, w.generation, w.answer,
 -- the signup row's lock (upsert_signup), so no window of this signup opens meanwhile.
 SELECT w.operation_key, w.answer,
        w.opened_at > now() - %(window)s::interval
-       AND NOT sendonce.window_mail_dead(w.account_id, w.window_id, w.generation) AS open
+       AND NOT sendonce.window_ended(w.account_id, w.signup_id, w.window_id, w.generation, w.opened_at) AS open
   FROM sendonce.signup_windows w
  WHERE w.account_id = %(account_id)s AND w.signup_id = %(signup_id)s
  ORDER BY w.opened_at DESC
@@ -683,13 +684,16 @@ SELECT w.operation_key, w.answer,
 -- conflicting row is locked, and the condition is evaluated on its latest committed version.
 -- answer: what the window's first request is answered, and every repeat after it (the transaction
 -- that opens the window writes its mail too, or nothing at all).
-INSERT INTO sendonce.signup_windows AS w (account_id, operation_key, signup_id, answer)
-VALUES (%(account_id)s, %(operation_key)s, %(signup_id)s, %(answer)s)
+-- opened_at is the clock's time, not the transaction's start (now()): windows of one signup open
+-- one at a time, under its row lock, and the latest one (lock_latest_window) must be the last opened,
+-- not the one whose transaction began last.
+INSERT INTO sendonce.signup_windows AS w (account_id, operation_key, signup_id, answer, opened_at)
+VALUES (%(account_id)s, %(operation_key)s, %(signup_id)s, %(answer)s, clock_timestamp())
 ON CONFLICT (account_id, operation_key) DO UPDATE
-   SET generation = w.generation + 1, opened_at = now(), answer = EXCLUDED.answer,
+   SET generation = w.generation + 1, opened_at = clock_timestamp(), answer = EXCLUDED.answer,
        signup_id = EXCLUDED.signup_id
  WHERE w.opened_at <= now() - %(window)s::interval
-    OR sendonce.window_mail_dead(w.account_id, w.window_id, w.generation)
+    OR sendonce.window_ended(w.account_id, w.signup_id, w.window_id, w.generation, w.opened_at)
 RETURNING window_id, generation;
 
 -- insert_operation --
