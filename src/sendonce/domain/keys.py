@@ -87,11 +87,10 @@ class KeyRing:
         if len(self.current) < 16:
             raise ValueError("the server secret must be at least 16 bytes long")
 
-    def operation_keys(self, account_id: int, event: str, email_key: str, origin: str) -> tuple[str, str | None]:
-        """(key under the current secret, key under the previous one or None)."""
-        current = operation_key(self.current, account_id, event, email_key, origin)
-        previous = operation_key(self.previous, account_id, event, email_key, origin) if self.previous else None
-        return current, previous
+    def operation_key(self, account_id: int, event: str, email_key: str, origin: str) -> str:
+        """The operation's key under the current secret. (A signup's windows opened under another
+        secret are found through the signup, migration 0010: no key under the previous one is needed.)"""
+        return operation_key(self.current, account_id, event, email_key, origin)
 
     def _fernet(self) -> MultiFernet:
         def key(secret: bytes) -> Fernet:

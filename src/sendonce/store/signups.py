@@ -104,7 +104,7 @@ async def request_signup(
     verify_url: Callable[[str], str],
 ) -> SignupOutcome:
     aid = account.account_id
-    current, _ = keys.operation_keys(aid, SIGNUP_EVENT, address.key, origin)
+    current = keys.operation_key(aid, SIGNUP_EVENT, address.key, origin)
     seen = await _one(
         conn,
         "peek_repeat",
