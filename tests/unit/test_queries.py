@@ -23,8 +23,18 @@ SELECT 2
 """
     assert parse_queries(text) == {
         "first": "SELECT 1",
-        "second_one": "SELECT 2\n  FROM x; -- trailing comments stay, they are SQL",
+        "second_one": "SELECT 2\nFROM x; -- trailing comments stay, they are SQL",
     }
+
+
+def test_every_statement_fits_psycopgs_statement_cache() -> None:
+    # psycopg parses a statement's placeholders again on every execution when it is longer than this
+    # (or has more parameters): the claim, run for every batch, once did.
+    from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH, MAX_CACHED_STATEMENT_PARAMS
+
+    for name, statement in QUERIES.items():
+        assert len(statement.encode()) <= MAX_CACHED_STATEMENT_LENGTH, name
+        assert len(set(re.findall(r"%\(([a-z_]+)\)s", statement))) <= MAX_CACHED_STATEMENT_PARAMS, name
 
 
 def test_parser_refuses_duplicates_and_empty_blocks() -> None:

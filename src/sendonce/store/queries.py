@@ -6,7 +6,10 @@ The file is a sequence of blocks::
     -- what it does (one or more comment lines)
     SELECT ...;
 
-so a reviewer reads the SQL as SQL, and the code refers to a query by name.
+so a reviewer reads the SQL as SQL, and the code refers to a query by name. What reaches the server
+is the statement without its comment lines, blank lines and indentation: the longest statements then
+stay under psycopg's limit for caching a statement's parsed form (4 KiB), which it otherwise parses
+again on every execution (the claim ran its 4.2 KiB through that parser for every batch).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ def parse_queries(text: str) -> dict[str, str]:
     for index, match in enumerate(matches):
         end = matches[index + 1].start() if index + 1 < len(matches) else len(text)
         body = text[match.end() : end].strip()
-        statement = "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("--"))
+        # No string literal in our SQL spans lines, so stripping each line changes no value.
+        lines = (line.strip() for line in body.splitlines())
+        statement = "\n".join(line for line in lines if line and not line.startswith("--"))
         statement = statement.strip().rstrip(";").strip()
         name = match.group(1)
         if name in queries:
