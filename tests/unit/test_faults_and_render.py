@@ -6,6 +6,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sendonce.chaos.processes import death_note
 from sendonce.delivery.compose import CAMPAIGN_VARIABLES, compile_campaign
@@ -50,6 +52,77 @@ def test_templates_see_the_environments_globals(source: str, expected: str) -> N
     # rendered per recipient: both must see the globals (loops, range, namespace).
     assert compile_template(source).render({}) == expected
     assert compile_template(source + "{{ name }}").render({"name": "!"}) == expected + "!"
+
+
+_PLAIN_TEMPLATES = [
+    "{{ name }}, your news",
+    "Hi {{name}} <{{ email }}>\n{{ subscriber.id }} {{ subscriber.attributes.city }}\n",
+    '<p>{{ name }} &amp; {{ subscriber.name }}</p><a href="u?s={{ subscriber.id }}">{{ attributes.items }}</a>',
+    "{{- name -}}  \n {{ campaign.name }}{{ attributes.__class__ }}",
+]
+_VALUES = st.one_of(
+    st.text(max_size=12), st.integers(), st.booleans(), st.none(), st.floats(allow_nan=False), st.just("<&'\">")
+)
+
+
+@given(
+    source=st.sampled_from(_PLAIN_TEMPLATES),
+    html=st.booleans(),
+    name=_VALUES,
+    city=_VALUES,
+    subscriber_id=_VALUES,
+    drop=st.sampled_from([None, "name", "subscriber", "city"]),
+)
+@settings(max_examples=300, deadline=None)
+def test_templates_of_text_and_plain_variables_render_as_jinja_does(
+    source: str, html: bool, name: object, city: object, subscriber_id: object, drop: str | None
+) -> None:
+    # Such templates are rendered without Jinja where their values allow; the result is Jinja's, and
+    # where it cannot be (another type, a missing key, a dict method's name) Jinja renders them.
+    attributes: dict[str, object] = {"city": city, "items": "an attribute called items"}
+    context: dict[str, object] = {
+        "name": name,
+        "email": "ann@example.com",
+        "attributes": attributes,
+        "subscriber": {"id": subscriber_id, "name": name, "attributes": attributes},
+        "campaign": {"id": 1, "name": "News <1>"},
+    }
+    if drop == "city":
+        del attributes["city"]
+    elif drop is not None:
+        del context[drop]
+    template = compile_template(source, html=html)
+    assert template._plan is not None
+
+    def outcome(render: object) -> object:
+        try:
+            return render(context)  # type: ignore[operator]
+        except TemplateError as exc:
+            return ("error", str(exc))
+
+    assert outcome(template.render) == outcome(template._render_jinja)
+
+
+def test_a_campaigns_templates_render_without_jinja(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sendonce.delivery.render import CompiledTemplate
+
+    subject, text, html = compile_campaign(
+        subject="{{ name }}, news", text="Hi {{ name }}, {{ subscriber.id }}", html="<p>{{ email }}</p>"
+    )
+    assert html is not None
+    # not plain: a filter, a loop, an item, a constant
+    for source in (
+        "{{ name | upper }}",
+        "{% for c in name %}{{ c }}{% endfor %}",
+        "{{ attributes['x'] }}",
+        "{{ 1 }}{{ name }}",
+    ):
+        assert compile_template(source)._plan is None
+    monkeypatch.setattr(CompiledTemplate, "_render_jinja", lambda self, context: pytest.fail("Jinja rendered"))
+    context = {"name": "Ann & Bo", "email": "a<b>@x", "subscriber": {"id": 7}}
+    assert subject.render(context) == "Ann & Bo, news"
+    assert text.render(context) == "Hi Ann & Bo, 7"
+    assert html.render(context) == "<p>a&lt;b&gt;@x</p>"
 
 
 def test_missing_variables_are_errors_not_blanks() -> None:

@@ -16,6 +16,7 @@ import jinja2
 from jinja2 import meta, nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from markupsafe import escape
 
 from sendonce.errors import InvalidInput
 
@@ -86,10 +87,19 @@ class CompiledTemplate:
     _loops: bool = True
     """The template has a loop: a render sets up the iteration budget (a template without one never
     reads it)."""
+    _plan: Plan | None = None
+    """The template is only text and plain variables: rendered without Jinja where the values allow."""
 
     def render(self, context: Mapping[str, Any]) -> str:
         if self._static is not None:
             return self._static
+        if self._plan is not None:
+            fast = self._plan.render(context)
+            if fast is not None:
+                return fast
+        return self._render_jinja(context)
+
+    def _render_jinja(self, context: Mapping[str, Any]) -> str:
         assert self._template is not None
         token = _BUDGET.set([MAX_ITERATIONS]) if self._loops else None
         try:
@@ -119,6 +129,67 @@ class CompiledTemplate:
                 _BUDGET.reset(token)
 
 
+_Part = str | tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A template that is only text and plain variables (``{{ name }}``, ``{{ subscriber.id }}``), as
+    its text and the paths of its variables: what a campaign's templates mostly are, rendered per
+    recipient without building a Jinja context (a sixth of a worker's CPU per message went to Jinja).
+
+    It renders only what it can render exactly as Jinja would: each variable a ``str`` or an ``int``
+    (Jinja writes ``str(value)``, or ``escape(value)`` in HTML), each step of a path a key of a plain
+    ``dict`` that is not also one of its methods (the sandbox's ``getattr`` looks for an attribute
+    first). Anything else (a missing variable, another type, an output too long) returns None, and
+    Jinja renders it, with its errors."""
+
+    parts: tuple[_Part, ...]
+    html: bool
+
+    @staticmethod
+    def of(tree: nodes.Template, *, html: bool) -> Plan | None:
+        parts: list[_Part] = []
+        for node in tree.body:
+            if not isinstance(node, nodes.Output):
+                return None
+            for child in node.nodes:
+                if isinstance(child, nodes.TemplateData):
+                    parts.append(child.data)
+                    continue
+                attributes: list[str] = []
+                while isinstance(child, nodes.Getattr):
+                    attributes.append(child.attr)
+                    child = child.node
+                if not isinstance(child, nodes.Name) or child.ctx != "load":
+                    return None
+                parts.append((child.name, *reversed(attributes)))
+        return Plan(tuple(parts), html)
+
+    def render(self, context: Mapping[str, Any]) -> str | None:
+        out: list[str] = []
+        size = 0
+        for part in self.parts:
+            if type(part) is str:
+                text = part
+            else:
+                value = context.get(part[0], _MISSING)
+                for attribute in part[1:]:
+                    if type(value) is not dict or attribute not in value or hasattr(dict, attribute):
+                        return None
+                    value = value[attribute]
+                kind = type(value)
+                if kind is not str and kind is not int:
+                    return None
+                text = str(escape(value)) if self.html else str(value)
+            size += len(text)
+            out.append(text)
+        return "".join(out) if size <= MAX_OUTPUT else None
+
+
+_MISSING = object()
+
+
 def compile_template(
     source: str, *, html: bool = False, field: str = "template", allowed: Iterable[str] | None = None
 ) -> CompiledTemplate:
@@ -146,7 +217,8 @@ def compile_template(
         once = CompiledTemplate(source, variables, template, None, dict(template.globals))
         return CompiledTemplate(source, variables, None, once.render({}))
     loops = next(parsed.find_all(nodes.For), None) is not None
-    return CompiledTemplate(source, variables, template, None, dict(template.globals), loops)
+    plan = Plan.of(parsed, html=html)
+    return CompiledTemplate(source, variables, template, None, dict(template.globals), loops, plan)
 
 
 def html_to_text(html: str) -> str:
