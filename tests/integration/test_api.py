@@ -341,6 +341,68 @@ def test_suppression_import_and_export(client: httpx.Client, database_url: str) 
     )
 
 
+def test_a_suppression_import_is_written_whole_or_not_at_all(
+    client: httpx.Client, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Written 5,000 rows a statement: the database lost at the second one must not leave the first
+    # behind the 503 that says "nothing was written, retry".
+    from sendonce.store import suppressions
+
+    auth = _account(client)
+    real = suppressions.import_suppressions
+    calls = 0
+
+    async def lost_at_the_second_chunk(conn: Any, account_id: int, rows: Any) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return await real(conn, account_id, rows)
+
+    monkeypatch.setattr(suppressions, "import_suppressions", lost_at_the_second_chunk)
+    body = ("email\n" + "".join(f"user{i}@example.test\n" for i in range(5001))).encode()
+    headers = {**auth, "Content-Type": "text/csv"}
+    _problem(client.post("/v1/suppressions/import", content=body, headers=headers), 503)
+    assert _count(database_url, "SELECT count(*) FROM sendonce.suppressions") == 0
+    response = client.post("/v1/suppressions/import", content=body, headers=headers)  # the retry
+    assert response.status_code == 200 and response.json()["added"] == 5001
+    assert _count(database_url, "SELECT count(*) FROM sendonce.suppressions") == 5001
+
+
+def test_a_suppression_export_is_read_page_by_page_and_a_lost_database_is_a_503(
+    client: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sendonce.api.routes import suppressions as route
+    from sendonce.store import suppressions
+
+    auth = _account(client)
+    emails = [f"{name}@example.test" for name in ("eve", "ann", "dan", "bob", "cat")]
+    for email in emails:
+        assert client.post("/v1/suppressions", json={"email": email}, headers=auth).status_code == 201
+    monkeypatch.setattr(route, "_EXPORT_PAGE", 2)
+    lines = client.get("/v1/suppressions/export", headers=auth).text.strip().splitlines()
+    assert [line.split(",")[0] for line in lines[1:]] == sorted(emails)  # three pages, each row once
+
+    real = suppressions.export_suppressions
+    pages = 0
+
+    async def lost_at_page(n: int, conn: Any, account_id: int, **kwargs: Any) -> Any:
+        nonlocal pages
+        pages += 1
+        if pages == n:
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return await real(conn, account_id, **kwargs)
+
+    # lost before the answer started: a 503 to retry, not a broken 200
+    monkeypatch.setattr(suppressions, "export_suppressions", lambda *a, **k: lost_at_page(1, *a, **k))
+    _problem(client.get("/v1/suppressions/export", headers=auth), 503)
+    # lost in the middle: the body is cut short, never passed off as a whole file
+    pages = 0
+    monkeypatch.setattr(suppressions, "export_suppressions", lambda *a, **k: lost_at_page(2, *a, **k))
+    with pytest.raises(httpx.RemoteProtocolError):
+        client.get("/v1/suppressions/export", headers=auth)
+
+
 def test_a_database_that_takes_no_writes_gets_a_503_that_can_be_retried(database_url: str) -> None:
     """A standby during a failover (or a demoted primary) refuses writes with SQLSTATE 25006: retry
     later, not a 500. The database is made read-only for new sessions, and the pool's are ended."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 from sendonce.domain.addresses import Address
@@ -41,9 +40,11 @@ async def import_suppressions(conn: Conn, account_id: int, rows: list[tuple[Addr
     return len(await cursor.fetchall())
 
 
-async def export_suppressions(conn: Conn, account_id: int) -> AsyncIterator[dict[str, Any]]:
-    """Every suppression of the account, streamed from a server-side cursor."""
-    async with conn.transaction(), conn.cursor(name="suppressions_export") as cursor:
-        await cursor.execute(query("export_suppressions"), {"account_id": account_id})
-        async for row in cursor:
-            yield row
+async def export_suppressions(
+    conn: Conn, account_id: int, *, after: str = "", limit: int = 5000
+) -> list[dict[str, Any]]:
+    """One page of the account's suppressions, in ``email_key`` order, after the key ``after``."""
+    cursor = await conn.execute(
+        query("export_suppressions"), {"account_id": account_id, "after": after, "limit": limit}
+    )
+    return await cursor.fetchall()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -18,7 +19,12 @@ from sendonce.domain.addresses import Address, InvalidAddress, parse_address
 from sendonce.domain.states import SuppressionReason
 from sendonce.store import suppressions as store
 
+logger = logging.getLogger(__name__)
+
 router = APIRouter(tags=["suppressions"])
+
+_EXPORT_PAGE = 5000
+"""Suppressions per page of an export."""
 
 
 @router.post("/v1/suppressions", status_code=201, response_model=SuppressionOut)
@@ -81,8 +87,9 @@ async def import_csv(
                 422, "no valid row in the file; nothing was written", errors=len(errors), error_rows=errors[:1000]
             )
         added = 0
-        for start in range(0, len(good), 5000):
-            added += await store.import_suppressions(conn, account.account_id, good[start : start + 5000])
+        async with conn.transaction():  # all or nothing: a failure leaves no half import behind
+            for start in range(0, len(good), 5000):
+                added += await store.import_suppressions(conn, account.account_id, good[start : start + 5000])
         body = {"added": added, "existing": len(good) - added, "errors": len(errors), "error_rows": errors[:1000]}
         return JSONResponse(body)
 
@@ -91,24 +98,41 @@ async def import_csv(
 
 @router.get("/v1/suppressions/export", response_class=StreamingResponse)
 async def export_csv(request: Request, account: CurrentAccount) -> StreamingResponse:
-    """Every suppression of the account as CSV: email, email_key, reason, created_at."""
+    """Every suppression of the account as CSV (email, email_key, reason, created_at), in email_key
+    order. Read page by page, each page in its own short transaction: no connection is held while the
+    client reads, and a suppression added or removed during a long export may or may not be in it.
+    The first page is read before the answer starts, so a database that cannot be reached is a 503;
+    one lost later cuts the stream short (the client sees an incomplete body, not a complete file)."""
     pool = request.app.state.pool
+    account_id = account.account_id
+    async with pool.connection() as conn:
+        first = await store.export_suppressions(conn, account_id, limit=_EXPORT_PAGE)
 
-    async def lines() -> AsyncIterator[str]:
+    def csv_text(rows: list[dict[str, Any]], *, header: bool = False) -> str:
         buffer = io.StringIO()
         writer = csv.writer(buffer)
-        writer.writerow(["email", "email_key", "reason", "created_at"])
-        async with pool.connection() as conn:
-            async for row in store.export_suppressions(conn, account.account_id):
-                writer.writerow([row["email"], row["email_key"], row["reason"], row["created_at"].isoformat()])
-                if buffer.tell() > 65536:
-                    yield buffer.getvalue()
-                    buffer.seek(0)
-                    buffer.truncate()
-        yield buffer.getvalue()
+        if header:
+            writer.writerow(["email", "email_key", "reason", "created_at"])
+        for row in rows:
+            writer.writerow([row["email"], row["email_key"], row["reason"], row["created_at"].isoformat()])
+        return buffer.getvalue()
+
+    async def pages() -> AsyncIterator[str]:
+        rows = first
+        yield csv_text(rows, header=True)
+        while len(rows) == _EXPORT_PAGE:
+            try:
+                async with pool.connection() as conn:
+                    rows = await store.export_suppressions(
+                        conn, account_id, after=rows[-1]["email_key"], limit=_EXPORT_PAGE
+                    )
+            except Exception:
+                logger.exception("suppression export of account %s cut short", account_id)
+                raise
+            yield csv_text(rows)
 
     headers = {"Content-Disposition": 'attachment; filename="suppressions.csv"'}
-    return StreamingResponse(lines(), media_type="text/csv; charset=utf-8", headers=headers)
+    return StreamingResponse(pages(), media_type="text/csv; charset=utf-8", headers=headers)
 
 
 @router.delete("/v1/suppressions/{email}", status_code=204)

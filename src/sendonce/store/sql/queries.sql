@@ -1010,11 +1010,14 @@ ON CONFLICT (account_id, email_key) DO NOTHING
 RETURNING email_key;
 
 -- export_suppressions --
--- Every suppression of an account, oldest first.
+-- One page of an account's suppressions, in email_key order, after the given key (the primary key's
+-- order: each page is an index range, however many there are).
 SELECT email, email_key, reason, created_at
   FROM sendonce.suppressions
  WHERE account_id = %(account_id)s
- ORDER BY created_at, email_key;
+   AND email_key > %(after)s
+ ORDER BY email_key
+ LIMIT %(limit)s;
 
 -- create_template --
 -- A stored template.
