@@ -58,7 +58,8 @@ def build_worker(
 
 
 def keyring(settings: Settings) -> KeyRing:
-    """The server secret, and the previous one during a rotation.
+    """The server secret, the previous one during a rotation, and the retired ones that still verify
+    unsubscribe links.
 
     Without SENDONCE_SECRET, a random secret is created once in ``$SENDONCE_HOME/secret`` and reused:
     enough for one host; set SENDONCE_SECRET (the same everywhere) when several hosts serve the API.
@@ -84,8 +85,11 @@ def keyring(settings: Settings) -> KeyRing:
                 draft.unlink()
         current = path.read_text().strip().encode()
     previous = settings.secret_previous.get_secret_value().encode() if settings.secret_previous else None
+    retired = (
+        tuple(s.encode() for s in settings.secret_retired.get_secret_value().split()) if settings.secret_retired else ()
+    )
     try:
-        return KeyRing(current, previous or None)
+        return KeyRing(current, previous or None, retired)
     except ValueError as exc:
         raise ConfigurationError(f"SENDONCE_SECRET: {exc}") from None
 

@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     """Server secret for idempotency keys and signed links."""
     secret_previous: SecretStr | None = None
     """The secret before the last rotation, still accepted for keys and links made with it."""
+    secret_retired: SecretStr | None = None
+    """Older secrets, separated by spaces, that only verify unsubscribe links: those never expire, and
+    mail signed under a secret long replaced is still in mailboxes (and its one-click unsubscribe must
+    still work)."""
     public_url: str = "http://127.0.0.1:8000"
     """Base URL where people reach the API (verification and unsubscribe links)."""
     unsubscribe_mailto: str | None = None

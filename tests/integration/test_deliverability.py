@@ -140,6 +140,29 @@ def test_a_forged_unsubscribe_token_changes_nothing(database_url: str, client: h
     assert _one(database_url, "SELECT count(*) FROM sendonce.list_members WHERE status = 'unsubscribed'") == (0,)
 
 
+@pytest.mark.parametrize("retired", [True, False])
+async def test_an_unsubscribe_link_works_after_its_secret_is_retired(database_url: str, retired: bool) -> None:
+    # Mail signed under a secret two rotations ago is still in mailboxes, and its one-click POST must
+    # still unsubscribe: the old secret stays in SENDONCE_SECRET_RETIRED, which signs nothing.
+    setup = await campaign_setup(database_url, ["ann@example.test"])
+    token = LINKS.unsubscribe_token(setup.account_id, 1, setup.campaign_id)  # type: ignore[arg-type]
+    settings: dict[str, Any] = {
+        "secret": "the-newest-secret-0123456789",
+        "secret_previous": "the-one-before-0123456789",
+    }
+    if retired:
+        settings["secret_retired"] = f"some-other-old-secret-0123 {TEST_SECRET}"
+    with ApiServer(database_url, **settings) as api, httpx.Client(base_url=api.url, timeout=10) as client:
+        response = client.post(
+            f"/u/{token}",
+            content=b"List-Unsubscribe=One-Click",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
+    assert response.status_code == (200 if retired else 400)
+    status = _one(database_url, "SELECT status FROM sendonce.list_members")
+    assert status == (("unsubscribed",) if retired else ("confirmed",))
+
+
 async def test_the_unsubscribe_page_asks_first_and_offers_to_resubscribe(
     database_url: str, client: httpx.Client
 ) -> None:

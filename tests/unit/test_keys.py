@@ -129,3 +129,23 @@ def test_stable_signer_takes_the_fast_path_only_when_it_agrees_with_itsdangerous
     careful = _StableSigner(other)
     assert not careful._fast
     assert careful.dumps(payload) == other.dumps(payload)
+
+
+def test_retired_secrets_verify_unsubscribe_links_and_nothing_else() -> None:
+    # An unsubscribe link never expires, so mail signed two rotations ago must still unsubscribe;
+    # a retired secret signs nothing and opens no other kind of token.
+    old = KeyRing(b"oldest-secret-0123456789")
+    token = old.sign_stable("unsubscribe", {"a": 1, "s": 2, "c": 3})
+    timed = old.sign("verify", {"a": 1})
+    rotated_twice = KeyRing(b"current-secret-0123456789", b"previous-secret-0123456789")
+    with pytest.raises(InvalidToken):
+        rotated_twice.verify_stable("unsubscribe", token)
+    kept = KeyRing(b"current-secret-0123456789", b"previous-secret-0123456789", (b"oldest-secret-0123456789",))
+    assert kept.verify_stable("unsubscribe", token) == {"a": 1, "s": 2, "c": 3}
+    assert kept.sign_stable("unsubscribe", {"a": 1, "s": 2, "c": 3}) == rotated_twice.sign_stable(
+        "unsubscribe", {"a": 1, "s": 2, "c": 3}
+    )  # signed with the current secret, as before
+    with pytest.raises(InvalidToken):
+        kept.verify("verify", timed)
+    with pytest.raises(ValueError, match="retired"):
+        KeyRing(b"current-secret-0123456789", None, (b"short",))

@@ -76,16 +76,21 @@ class _StableSigner:
 
 @dataclass(frozen=True)
 class KeyRing:
-    """The current secret and, during a rotation, the previous one."""
+    """The current secret and, during a rotation, the previous one; and retired secrets, which only
+    verify the never-expiring unsubscribe links of mail sent under them (they sign nothing, and no
+    operation key, sealed answer or expiring link is read with them)."""
 
     current: bytes
     previous: bytes | None = None
+    retired: tuple[bytes, ...] = ()
     _stable_signers: dict[str, _StableSigner] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Per purpose, made once: a campaign signs one unsubscribe link per recipient."""
 
     def __post_init__(self) -> None:
         if len(self.current) < 16:
             raise ValueError("the server secret must be at least 16 bytes long")
+        if any(len(secret) < 16 for secret in self.retired):
+            raise ValueError("a retired secret must be at least 16 bytes long (SENDONCE_SECRET_RETIRED)")
 
     def operation_key(self, account_id: int, event: str, email_key: str, origin: str) -> str:
         """The operation's key under the current secret. (A signup's windows opened under another
@@ -129,8 +134,9 @@ class KeyRing:
         return signer.dumps(payload)
 
     def verify_stable(self, purpose: str, token: str) -> dict[str, Any]:
+        keys = [*self.retired, *([self.previous] if self.previous else []), self.current]
         try:
-            payload = self._stable(purpose).loads(token)
+            payload = URLSafeSerializer(keys, salt=f"sendonce.{purpose}").loads(token)
         except BadSignature:
             raise InvalidToken("the link is not valid") from None
         if not isinstance(payload, dict):
