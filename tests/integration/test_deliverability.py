@@ -178,6 +178,21 @@ async def test_the_unsubscribe_page_asks_first_and_offers_to_resubscribe(
     assert _one(database_url, "SELECT status FROM sendonce.list_members") == ("confirmed",)
 
 
+async def test_an_old_unsubscribe_is_not_undone_by_the_link(database_url: str, client: httpx.Client) -> None:
+    # The link never expires and travels with every forwarded copy of the mail: it may undo an
+    # unsubscribe made by mistake, that day, but never subscribe someone again who left long ago.
+    setup = await campaign_setup(database_url, ["ann@example.test"])
+    token = LINKS.unsubscribe_token(setup.account_id, 1, setup.campaign_id)  # type: ignore[arg-type]
+    client.post(f"/u/{token}")
+    with psycopg.connect(database_url) as conn:
+        conn.execute("UPDATE sendonce.list_members SET updated_at = now() - interval '2 days'")
+    page = client.get(f"/u/{token}")
+    assert page.status_code == 200 and "You are unsubscribed" in page.text and "resubscribe" not in page.text
+    refused = client.post(f"/u/{token}/resubscribe")
+    assert refused.status_code == 409 and "sign up" in refused.text
+    assert _one(database_url, "SELECT status FROM sendonce.list_members") == ("unsubscribed",)
+
+
 async def test_transactional_mail_has_no_list_unsubscribe(
     database_url: str, inbox: Inbox, client: httpx.Client
 ) -> None:

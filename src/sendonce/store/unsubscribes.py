@@ -7,6 +7,11 @@ from typing import Any
 from sendonce.store.database import Conn
 from sendonce.store.queries import query
 
+RESUBSCRIBE_WITHIN = 86400.0
+"""Seconds after an unsubscribe during which the page's link may undo it ("I unsubscribed by
+mistake"). The link never expires and is in every forwarded copy of the mail: past this, it never
+subscribes anyone again."""
+
 
 async def unsubscribe(conn: Conn, account_id: int, subscriber_id: int, campaign_id: int) -> list[int]:
     """Leave the campaign's lists; returns the lists left now (empty when already done)."""
@@ -17,12 +22,24 @@ async def unsubscribe(conn: Conn, account_id: int, subscriber_id: int, campaign_
 
 
 async def resubscribe(conn: Conn, account_id: int, subscriber_id: int, campaign_id: int) -> list[int]:
-    params = {"account_id": account_id, "subscriber_id": subscriber_id, "campaign_id": campaign_id}
+    """Undo an unsubscribe from the campaign's lists made within :data:`RESUBSCRIBE_WITHIN`; returns
+    the lists joined again (empty: nothing recent to undo)."""
+    params = {
+        "account_id": account_id,
+        "subscriber_id": subscriber_id,
+        "campaign_id": campaign_id,
+        "within_seconds": RESUBSCRIBE_WITHIN,
+    }
     return [
         int(r["list_id"]) for r in await (await conn.execute(query("resubscribe_campaign_lists"), params)).fetchall()
     ]
 
 
 async def state(conn: Conn, account_id: int, subscriber_id: int, campaign_id: int) -> list[dict[str, Any]]:
-    params = {"account_id": account_id, "subscriber_id": subscriber_id, "campaign_id": campaign_id}
+    params = {
+        "account_id": account_id,
+        "subscriber_id": subscriber_id,
+        "campaign_id": campaign_id,
+        "within_seconds": RESUBSCRIBE_WITHIN,
+    }
     return list(await (await conn.execute(query("subscription_state"), params)).fetchall())

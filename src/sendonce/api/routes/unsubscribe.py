@@ -3,7 +3,8 @@
 ``POST /u/{token}`` is what mailbox providers call when someone presses "unsubscribe": no cookies,
 no authentication, no redirect, idempotent, and the change is committed before the answer. The token
 is signed (HMAC under the server secret) and names the account, the subscriber and the campaign, so
-a forged one is refused without touching the database.
+a forged one is refused without touching the database. It never expires, so it undoes an unsubscribe
+("resubscribe") only within a day of it: an old or forwarded mail subscribes no one again.
 """
 
 from __future__ import annotations
@@ -86,10 +87,11 @@ async def page(token: Token, request: Request, conn: Db) -> HTMLResponse:
     rows = await _lists(conn, ids)
     names = ", ".join(r["list_name"] for r in rows)
     if all(r["status"] in (None, "unsubscribed") for r in rows):
+        undoable = any(r["undoable"] for r in rows)
         return _page(
             "You are unsubscribed",
             f"You do not receive {names} from {rows[0]['account_name']}.",
-            _form(f"/u/{token}/resubscribe", "Resubscribe me"),
+            _form(f"/u/{token}/resubscribe", "Resubscribe me") if undoable else "",
         )
     return _page(
         "Unsubscribe?",
@@ -103,6 +105,14 @@ async def resubscribe(token: Token, request: Request, conn: Db) -> HTMLResponse:
     ids = _identity(request, token)
     async with conn.transaction():
         rows = await _lists(conn, ids)
-        await unsubscribes.resubscribe(conn, *ids)
-    names = ", ".join(r["list_name"] for r in rows)
-    return _page("Welcome back", f"You will receive {names} from {rows[0]['account_name']} again.")
+        joined = set(await unsubscribes.resubscribe(conn, *ids))
+    if not joined:
+        response = _page(
+            "Nothing to undo",
+            "This link undoes an unsubscribe only on the day it was made. To subscribe again, "
+            f"sign up with {rows[0]['account_name']} again.",
+        )
+        response.status_code = 409
+        return response
+    names = ", ".join(r["list_name"] for r in rows if r["list_id"] in joined)
+    return _page("Welcome back", f"You are back on {names} of {rows[0]['account_name']}.")

@@ -879,18 +879,23 @@ UPDATE sendonce.list_members m
 RETURNING m.list_id;
 
 -- resubscribe_campaign_lists --
--- Undo an unsubscribe from those lists (the person asked for it on the unsubscribe page).
+-- Undo a recent unsubscribe from those lists (the person asked for it on the unsubscribe page). Only a
+-- recent one: the link never expires and travels with every forwarded copy of the mail, so an old
+-- unsubscribe is never undone by it (subscribing again goes through the account's own sign-up).
 UPDATE sendonce.list_members m
    SET status = 'confirmed', updated_at = now()
   FROM sendonce.campaign_lists cl
  WHERE cl.account_id = %(account_id)s AND cl.campaign_id = %(campaign_id)s
    AND m.account_id = cl.account_id AND m.list_id = cl.list_id AND m.subscriber_id = %(subscriber_id)s
    AND m.status = 'unsubscribed'
+   AND m.updated_at > now() - make_interval(secs => %(within_seconds)s)
 RETURNING m.list_id;
 
 -- subscription_state --
--- What the unsubscribe page shows: the account, the campaign's lists and this subscriber's membership.
-SELECT a.name AS account_name, l.list_id, l.name AS list_name, m.status
+-- What the unsubscribe page shows: the account, the campaign's lists and this subscriber's membership
+-- (and whether an unsubscribe is recent enough to be undone from the page).
+SELECT a.name AS account_name, l.list_id, l.name AS list_name, m.status,
+       m.status = 'unsubscribed' AND m.updated_at > now() - make_interval(secs => %(within_seconds)s) AS undoable
   FROM sendonce.campaign_lists cl
   JOIN sendonce.lists l ON l.account_id = cl.account_id AND l.list_id = cl.list_id
   JOIN sendonce.accounts a ON a.account_id = cl.account_id
