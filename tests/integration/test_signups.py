@@ -10,6 +10,7 @@ from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urljoin
 
 import httpx
 import psycopg
@@ -348,6 +349,8 @@ async def test_verify_once_twice_forged_and_expired(database_url: str, inbox: In
         token = verify_link(inbox.messages[0])
         page = c.get("/v1/signups/verify", params={"token": token})
         assert page.status_code == 200 and "<form" in page.text  # a click, not a fetch, verifies
+        (action,) = re.findall(r'action="([^"]*)"', page.text)  # relative: works behind a path prefix
+        assert urljoin("https://example.com/mail/v1/signups/verify?token=x", action).endswith("/mail/v1/signups/verify")
         first = c.post("/v1/signups/verify", json={"token": token})
         assert first.json() == {"signup_id": signup_id, "status": "verified", "already_verified": False}
         again = c.post("/v1/signups/verify", json={"token": token})

@@ -51,7 +51,7 @@ async def confirm_page(request: Request, token: Annotated[str, Query(max_length=
     except Problem as exc:
         return _page("Link not valid", exc.detail, status=400)
     form = (
-        '<form method="post" action="/v1/lists/confirm">'
+        '<form method="post" action="confirm">'
         f'<input type="hidden" name="token" value="{escape(token, quote=True)}">'
         '<button type="submit">Yes, subscribe me</button></form>'
     )

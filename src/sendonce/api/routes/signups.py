@@ -196,7 +196,7 @@ async def verify_page(request: Request, token: Annotated[str, Query(max_length=4
     except Problem as exc:
         return HTMLResponse(_page("Link not valid", exc.detail), status_code=400)
     form = (
-        '<form method="post" action="/v1/signups/verify">'
+        '<form method="post" action="verify">'
         f'<input type="hidden" name="token" value="{escape(token, quote=True)}">'
         '<button type="submit">Confirm my email address</button></form>'
     )

@@ -46,6 +46,8 @@ def _page(title: str, message: str, form: str = "") -> HTMLResponse:
 
 
 def _form(action: str, label: str) -> str:
+    # Actions are relative to the page (/u/{token}), so the forms work behind a path prefix in
+    # SENDONCE_PUBLIC_URL (a proxy serving the API at https://example.com/mail/).
     return (
         f'<form method="post" action="{escape(action, quote=True)}">'
         f'<button type="submit">{escape(label)}</button></form>'
@@ -70,7 +72,7 @@ async def one_click(token: Token, request: Request, conn: Db) -> HTMLResponse:
     return _page(
         "You are unsubscribed",
         f"You will not receive {names} from {rows[0]['account_name']} any more.",
-        _form(f"/u/{token}/resubscribe", "I unsubscribed by mistake: resubscribe me"),
+        _form(f"{token}/resubscribe", "I unsubscribed by mistake: resubscribe me"),
     )
 
 
@@ -91,12 +93,12 @@ async def page(token: Token, request: Request, conn: Db) -> HTMLResponse:
         return _page(
             "You are unsubscribed",
             f"You do not receive {names} from {rows[0]['account_name']}.",
-            _form(f"/u/{token}/resubscribe", "Resubscribe me") if undoable else "",
+            _form(f"{token}/resubscribe", "Resubscribe me") if undoable else "",
         )
     return _page(
         "Unsubscribe?",
         f"Stop receiving {names} from {rows[0]['account_name']}?",
-        _form(f"/u/{token}", "Unsubscribe"),
+        _form(token, "Unsubscribe"),
     )
 
 
