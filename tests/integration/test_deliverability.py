@@ -678,3 +678,119 @@ async def test_templates_css_text_preview_and_missing_variables_at_approve(
         headers=auth,
     ).json()["id"]
     assert client.post(f"/v1/campaigns/{guarded}/approve", headers=auth).status_code == 200
+
+
+async def test_a_confirmation_that_can_no_longer_confirm_is_sent_again_once(
+    database_url: str, client: httpx.Client, inbox: Inbox
+) -> None:
+    # One confirmation mail per membership, however often the subscriber is added, while that mail
+    # can still confirm; once it certainly reached nobody, or its link expired, adding the subscriber
+    # again sends one new mail (and racing requests still send one).
+    body = client.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
+    auth = {"Authorization": f"Bearer {body['api_key']}"}
+    lst = client.post("/v1/lists", json={"name": "Digest", "opt_in": "double"}, headers=auth).json()["id"]
+    ann = {"subscribers": [{"email": "ann@example.test", "lists": [lst]}]}
+
+    def add() -> None:
+        assert client.post("/v1/subscribers", json=ann, headers=auth).status_code == 200
+
+    def jobs() -> list[tuple[str, str]]:
+        with psycopg.connect(database_url) as conn:
+            rows = conn.execute(
+                "SELECT job_id, status::text FROM sendonce.deliveries "
+                "WHERE kind = 'list_confirmation_requested' ORDER BY delivery_id"
+            ).fetchall()
+        return [(str(job), str(status)) for job, status in rows]
+
+    changes = {  # each to the last confirmation mail queued
+        "failed, maybe arrived": "SET status = 'failed', uncertain = true",
+        "certainly not arrived": "SET uncertain = false",
+        "a week old": "SET created_at = now() - interval '8 days'",
+    }
+
+    def set_last(change: str) -> None:
+        with psycopg.connect(database_url) as conn:
+            conn.execute(
+                psycopg.sql.SQL(
+                    "UPDATE sendonce.deliveries {} "
+                    "WHERE delivery_id = (SELECT max(delivery_id) FROM sendonce.deliveries)"
+                ).format(psycopg.sql.SQL(changes[change]))  # type: ignore[arg-type]
+            )
+
+    add()
+    add()
+    (first,) = jobs()
+    assert first[1] == "queued"
+    set_last("failed, maybe arrived")  # gave up, but an attempt may have arrived
+    add()
+    assert len(jobs()) == 1
+    set_last("certainly not arrived")
+    for _ in range(3):
+        add()
+    assert [job for job, _ in jobs()] == [first[0], first[0] + ":1"]
+    await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN)
+    assert jobs()[-1][1] == "sent"
+    add()  # sent, its link still valid: nothing new
+    assert len(jobs()) == 2
+    set_last("a week old")  # past SENDONCE_OPTIN_TTL (7 days): its link expired
+    await asyncio.gather(*(asyncio.to_thread(add) for _ in range(6)))
+    assert [job for job, _ in jobs()] == [first[0], first[0] + ":1", first[0] + ":2"]
+    await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN)
+    last = inbox.messages[-1].parsed()
+    token = re.search(r"/v1/lists/confirm\?token=(\S+)", last.get_body(("plain",)).get_content()).group(1)  # type: ignore[union-attr]
+    assert client.post("/v1/lists/confirm", json={"token": token}).json()["already_confirmed"] is False
+    add()  # confirmed: nothing more, ever
+    assert len(jobs()) == 3
+
+
+async def test_two_requests_that_race_to_renew_a_confirmation_queue_one_mail(database_url: str) -> None:
+    # The second request starts while the first, which moved the membership to its next round and
+    # queued that round's mail, has not committed: it waits for it (on the subscriber's row, which
+    # every upsert writes first), then finds that mail on its way and queues nothing. (Were it to read
+    # the dead round anyway, the move is a compare-and-set on the round read, and the job id is the
+    # round's: still one mail.)
+    from sendonce.domain.addresses import parse_address
+    from sendonce.store.subscribers import SubscriberInput, upsert_subscribers
+
+    async with await connect(database_url) as conn:
+        account = await (
+            await conn.execute(
+                "INSERT INTO sendonce.accounts (name, from_email, api_key_hash) "
+                "VALUES ('a', 'news@acme.test', 'x') RETURNING account_id"
+            )
+        ).fetchone()
+        assert account is not None
+        account_id = int(account["account_id"])
+        lst = await (
+            await conn.execute(
+                "INSERT INTO sendonce.lists (account_id, name, opt_in) VALUES (%s, 'd', 'double') RETURNING list_id",
+                (account_id,),
+            )
+        ).fetchone()
+        assert lst is not None
+    row = SubscriberInput(parse_address("ann@example.test"), list_ids=[int(lst["list_id"])])
+
+    def url(list_id: int, subscriber_id: int) -> str:
+        return f"https://acme.test/confirm/{list_id}/{subscriber_id}"
+
+    async with await connect(database_url) as conn:
+        await upsert_subscribers(conn, account_id, [row], confirm_url=url)
+        await conn.execute("UPDATE sendonce.deliveries SET status = 'failed', uncertain = false")
+    async with await connect(database_url) as first, await connect(database_url) as second:
+        async with first.transaction():
+            await upsert_subscribers(first, account_id, [row], confirm_url=url)  # round 1, not committed
+            racing = asyncio.create_task(upsert_subscribers(second, account_id, [row], confirm_url=url))
+            deadline = time.monotonic() + 10
+            async with await connect(database_url) as watcher:
+                while not await (
+                    await watcher.execute(
+                        "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'",
+                        (second.info.backend_pid,),
+                    )
+                ).fetchone():
+                    assert time.monotonic() < deadline and not racing.done()
+                    await asyncio.sleep(0.01)
+        await racing
+    with psycopg.connect(database_url) as conn:
+        jobs = [r[0] for r in conn.execute("SELECT job_id FROM sendonce.deliveries ORDER BY delivery_id")]
+    assert len(jobs) == 2 and jobs[1] == jobs[0] + ":1"

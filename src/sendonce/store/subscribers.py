@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from psycopg.types.json import Jsonb
@@ -44,12 +45,15 @@ async def upsert_subscribers(
     *,
     preconfirm: bool = False,
     confirm_url: ConfirmUrl | None = None,
+    optin_ttl: timedelta | None = None,
 ) -> list[UpsertResult]:
     """Insert or update ``rows`` in one transaction; one result per input row, in order.
 
     Rows that normalize to the same address are merged (the later row's fields win, lists add up),
     so a request can never create two subscribers for one address. New memberships of double opt-in
-    lists are pending, and their confirmation mails are queued in the same transaction.
+    lists are pending, and their confirmation mails are queued in the same transaction. A membership
+    still pending whose last confirmation mail certainly reached nobody, or whose link (valid for
+    ``optin_ttl``) has expired, gets a new one.
     """
     if not rows:
         return []
@@ -102,6 +106,20 @@ async def upsert_subscribers(
                 ids[found["email_key"]] = int(found["subscriber_id"])
         pairs = [(list_id, ids[r.address.key]) for r in unique for list_id in r.list_ids]
         if pairs:
+            renewed: list[tuple[int, int, int]] = []
+            if not preconfirm:
+                # Existing memberships still pending whose last confirmation can no longer confirm them
+                # (read before the new memberships exist: theirs is queued below, in round 0).
+                cursor = await conn.execute(
+                    query("renew_stale_optins"),
+                    {
+                        "account_id": account_id,
+                        "list_ids": [p[0] for p in pairs],
+                        "subscriber_ids": [p[1] for p in pairs],
+                        "link_life_seconds": None if optin_ttl is None else optin_ttl.total_seconds(),
+                    },
+                )
+                renewed = [(r["list_id"], r["subscriber_id"], r["optin_round"]) for r in await cursor.fetchall()]
             cursor = await conn.execute(
                 query("add_memberships"),
                 {
@@ -111,7 +129,9 @@ async def upsert_subscribers(
                     "preconfirm": preconfirm,
                 },
             )
-            pending = [(r["list_id"], r["subscriber_id"]) for r in await cursor.fetchall() if r["status"] == "pending"]
+            pending = renewed + [
+                (r["list_id"], r["subscriber_id"], 0) for r in await cursor.fetchall() if r["status"] == "pending"
+            ]
             if pending:
                 if confirm_url is None:
                     raise ValueError("double opt-in memberships need confirm_url to build their links")
@@ -121,7 +141,8 @@ async def upsert_subscribers(
                         "account_id": account_id,
                         "list_ids": [p[0] for p in pending],
                         "subscriber_ids": [p[1] for p in pending],
-                        "urls": [confirm_url(*p) for p in pending],
+                        "rounds": [p[2] for p in pending],
+                        "urls": [confirm_url(p[0], p[1]) for p in pending],
                     },
                 )
     results = []

@@ -7,6 +7,7 @@ import io
 import json
 import re
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
@@ -145,9 +146,15 @@ async def _apply(
     *,
     preconfirm: bool,
     confirm_url: Callable[[int, int], str],
+    optin_ttl: timedelta,
 ) -> list[tuple[int, SubscriberInput, int, bool]]:
     results = await upsert_subscribers(
-        conn, account_id, [row for _, row in parsed], preconfirm=preconfirm, confirm_url=confirm_url
+        conn,
+        account_id,
+        [row for _, row in parsed],
+        preconfirm=preconfirm,
+        confirm_url=confirm_url,
+        optin_ttl=optin_ttl,
     )
     return [(index, row, r.subscriber_id, r.created) for (index, row), r in zip(parsed, results, strict=True)]
 
@@ -182,7 +189,12 @@ async def _upsert(body: SubscribersIn, account_id: int, conn: Conn, request: Req
             good.append((index, sub))
     applied = (
         await _apply(
-            conn, account_id, good, preconfirm=body.preconfirm, confirm_url=confirm_url_maker(request, account_id)
+            conn,
+            account_id,
+            good,
+            preconfirm=body.preconfirm,
+            confirm_url=confirm_url_maker(request, account_id),
+            optin_ttl=services_of(request).settings.optin_ttl,
         )
         if good
         else []
@@ -271,7 +283,12 @@ async def _import(request: Request, account_id: int, conn: Conn, list_id: int, p
         for start in range(0, len(pending), IMPORT_CHUNK):
             chunk = pending[start : start + IMPORT_CHUNK]
             applied = await _apply(
-                conn, account_id, chunk, preconfirm=preconfirm, confirm_url=confirm_url_maker(request, account_id)
+                conn,
+                account_id,
+                chunk,
+                preconfirm=preconfirm,
+                confirm_url=confirm_url_maker(request, account_id),
+                optin_ttl=services_of(request).settings.optin_ttl,
             )
             for _, _, subscriber_id, was_created in applied:
                 (created_ids if was_created else updated_ids).add(subscriber_id)

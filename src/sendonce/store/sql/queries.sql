@@ -86,15 +86,46 @@ ON CONFLICT (account_id, list_id, subscriber_id) DO UPDATE
  WHERE %(preconfirm)s AND m.status = 'pending'
 RETURNING list_id, subscriber_id, status;
 
+-- renew_stale_optins --
+-- Pending memberships among those given whose last confirmation mail can no longer confirm them: it
+-- certainly reached nobody (failed, and no attempt of it may have arrived), its link has expired (a
+-- mail sent or failed longer ago than the link's life), or it is gone (pruned). Each moves to its next
+-- round, by compare-and-set on the round read, and the caller queues that round's mail in the same
+-- transaction, under the round's job id: of requests that race, one moves it and one mail is queued
+-- (upserts of one subscriber also wait for each other on its row, which they write first). A mail
+-- still on its way, or one suppressed, is left alone.
+WITH stale AS (
+    SELECT DISTINCT m.list_id, m.subscriber_id, m.optin_round
+      FROM unnest(%(list_ids)s::bigint[], %(subscriber_ids)s::bigint[]) AS u(list_id, subscriber_id)
+      JOIN sendonce.lists l ON l.account_id = %(account_id)s AND l.list_id = u.list_id AND l.opt_in = 'double'
+      JOIN sendonce.list_members m
+        ON m.account_id = l.account_id AND m.list_id = u.list_id AND m.subscriber_id = u.subscriber_id
+      LEFT JOIN sendonce.deliveries d
+        ON d.account_id = m.account_id AND d.job_id = sendonce.optin_job_id(m.list_id, m.subscriber_id, m.optin_round)
+     WHERE m.status = 'pending'
+       AND (d.delivery_id IS NULL
+            OR (d.status = 'failed' AND NOT d.uncertain)
+            OR (d.status IN ('sent', 'failed')
+                AND d.created_at < now() - make_interval(secs => %(link_life_seconds)s::double precision)))
+)
+UPDATE sendonce.list_members m
+   SET optin_round = s.optin_round + 1
+  FROM stale s
+ WHERE m.account_id = %(account_id)s AND m.list_id = s.list_id AND m.subscriber_id = s.subscriber_id
+   AND m.status = 'pending' AND m.optin_round = s.optin_round
+RETURNING m.list_id, m.subscriber_id, m.optin_round;
+
 -- enqueue_optin_confirmations --
--- The confirmation mail of each new pending membership, through the outbox. The job id names the
--- membership, so however often the subscriber is added, one confirmation mail is queued.
+-- The confirmation mail of each pending membership given, in its round, through the outbox. The job
+-- id names the membership and the round, so however often the subscriber is added, one confirmation
+-- mail is queued per round.
 INSERT INTO sendonce.deliveries (account_id, job_id, kind, priority, email, email_key, payload)
-SELECT %(account_id)s, 'optin:' || u.list_id || ':' || u.subscriber_id, 'list_confirmation_requested', 0,
+SELECT %(account_id)s, sendonce.optin_job_id(u.list_id, u.subscriber_id, u.round), 'list_confirmation_requested', 0,
        s.email, s.email_key,
        jsonb_build_object('list_id', u.list_id, 'list_name', l.name, 'subscriber_id', u.subscriber_id,
                           'name', s.name, 'confirm_url', u.url)
-  FROM unnest(%(list_ids)s::bigint[], %(subscriber_ids)s::bigint[], %(urls)s::text[]) AS u(list_id, subscriber_id, url)
+  FROM unnest(%(list_ids)s::bigint[], %(subscriber_ids)s::bigint[], %(rounds)s::int[], %(urls)s::text[])
+       AS u(list_id, subscriber_id, round, url)
   JOIN sendonce.subscribers s ON s.account_id = %(account_id)s AND s.subscriber_id = u.subscriber_id
   JOIN sendonce.lists l ON l.account_id = %(account_id)s AND l.list_id = u.list_id
 ON CONFLICT DO NOTHING
