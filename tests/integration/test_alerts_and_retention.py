@@ -147,6 +147,14 @@ async def test_prune_archives_and_deletes_only_finished_old_rows(database_url: s
     with psycopg.connect(database_url) as conn:
         conn.execute("UPDATE sendonce.deliveries SET status = 'sent' WHERE email = 'user000000@other.test'")
         conn.execute("UPDATE sendonce.deliveries SET updated_at = now() - interval '100 days'")
+        # one finished row was sent twice, maybe: its ledger entry goes to the archive with it
+        conn.execute(
+            "INSERT INTO sendonce.possible_duplicates (account_id, delivery_id, attempt, job_id, campaign_id, reason) "
+            "SELECT account_id, delivery_id, 2, job_id, campaign_id, 'lease expired after the send began' "
+            "FROM sendonce.deliveries WHERE email = %s",
+            (emails(5)[0],),
+        )
+        conn.execute("UPDATE sendonce.deliveries SET uncertain = true WHERE email = %s", (emails(5)[0],))
     archive = tmp_path / "archive.jsonl"
     env = {**os.environ, "SENDONCE_DATABASE_URL": database_url}
     dry = subprocess.run(
@@ -170,6 +178,10 @@ async def test_prune_archives_and_deletes_only_finished_old_rows(database_url: s
     rows = [json.loads(line) for line in archive.read_text().splitlines()]
     assert sorted(r["email"] for r in rows) == emails(5)
     assert {r["status"] for r in rows} == {"sent"}
+    twice = next(r for r in rows if r["email"] == emails(5)[0])
+    assert twice["uncertain"] is True and twice["ledger_entries"] == 1
+    assert [(e["attempt"], e["reason"]) for e in twice["ledger"]] == [(2, "lease expired after the send began")]
+    assert all(r["ledger"] == [] and r["uncertain"] is False for r in rows if r is not twice)
     with psycopg.connect(database_url) as conn:
         # the running campaign's rows, sent or not, are all still there
         assert conn.execute("SELECT count(*) FROM sendonce.deliveries").fetchone() == (3,)

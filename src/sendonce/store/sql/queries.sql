@@ -103,7 +103,8 @@ WITH stale AS (
       LEFT JOIN sendonce.deliveries d
         ON d.account_id = m.account_id AND d.job_id = sendonce.optin_job_id(m.list_id, m.subscriber_id, m.optin_round)
      WHERE m.status = 'pending'
-       AND (d.delivery_id IS NULL
+       AND ((d.delivery_id IS NULL  -- pruned: judged by the membership's age
+             AND m.created_at < now() - make_interval(secs => %(link_life_seconds)s::double precision))
             OR (d.status = 'failed' AND NOT d.uncertain)
             OR (d.status IN ('sent', 'failed')
                 AND d.created_at < now() - make_interval(secs => %(link_life_seconds)s::double precision)))
@@ -873,14 +874,19 @@ WITH doomed AS (
     DELETE FROM sendonce.possible_duplicates p
      USING doomed x
      WHERE p.account_id = x.account_id AND p.delivery_id = x.delivery_id
-    RETURNING p.delivery_id
+    RETURNING p.delivery_id, p.attempt, p.reason, p.recorded_at
 )
 DELETE FROM sendonce.deliveries d
  USING doomed x
  WHERE d.account_id = x.account_id AND d.delivery_id = x.delivery_id
 RETURNING d.account_id, d.delivery_id, d.job_id, d.kind, d.campaign_id, d.subscriber_id, d.email, d.status,
-          d.attempt, d.failures, d.created_at, d.sent_at, d.transport_message_id, d.last_error, d.payload,
-          (SELECT count(*) FROM ledger l WHERE l.delivery_id = d.delivery_id) AS ledger_entries;
+          d.uncertain, d.attempt, d.failures, d.created_at, d.sent_at, d.transport_message_id, d.last_error,
+          d.payload,
+          (SELECT count(*) FROM ledger l WHERE l.delivery_id = d.delivery_id) AS ledger_entries,
+          -- the possible-duplicate entries go with their row: the archive keeps them whole
+          (SELECT coalesce(jsonb_agg(jsonb_build_object('attempt', l.attempt, 'reason', l.reason,
+                                                        'recorded_at', l.recorded_at) ORDER BY l.attempt), '[]')
+             FROM ledger l WHERE l.delivery_id = d.delivery_id) AS ledger;
 
 -- raise_alert --
 -- Record an alert once per account, kind, subject and episode. A row back: it is new.
