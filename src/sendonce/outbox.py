@@ -19,7 +19,8 @@ no order without its mail when the process dies between the two. A sendonce work
 (NOTIFY wakes it at commit) and sends it through the same pipeline as every other mail. ``key`` is
 your idempotency key: enqueueing the same key twice queues one message (the second call returns
 ``created=False``), for as long as the message's outbox row exists: ``sendonce outbox prune`` forgets
-the keys of the rows it removes, so prune only rows older than any retry of yours. ``enqueue_async`` does the same on a ``psycopg.AsyncConnection``.
+the keys of the rows it removes, so prune only rows older than any retry of yours. ``enqueue_async``
+does the same on a ``psycopg.AsyncConnection``.
 """
 
 from __future__ import annotations

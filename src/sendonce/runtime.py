@@ -6,6 +6,7 @@ import logging
 import os
 import secrets
 
+import psycopg
 from pydantic import SecretStr
 
 from sendonce.delivery.compose import Composer, Links
@@ -18,6 +19,7 @@ from sendonce.settings import Settings
 from sendonce.store.database import resolve_database_url
 from sendonce.store.feedback import FeedbackPolicy
 from sendonce.store.rate_limits import Rate
+from sendonce.store.shared_secret import shared_secret
 from sendonce.transports.base import Transport
 from sendonce.transports.registry import transport_from_url
 from sendonce.webhooks import WebhookConfig
@@ -61,11 +63,29 @@ def keyring(settings: Settings) -> KeyRing:
     """The server secret, the previous one during a rotation, and the retired ones that still verify
     unsubscribe links.
 
-    Without SENDONCE_SECRET, a random secret is created once in ``$SENDONCE_HOME/secret`` and reused:
-    enough for one host; set SENDONCE_SECRET (the same everywhere) when several hosts serve the API.
+    Without SENDONCE_SECRET: on an external database (SENDONCE_DATABASE_URL), the secret kept in that
+    database, made by the first process that needed it, so every process on it shares one whatever its
+    SENDONCE_HOME; on the embedded database, a random secret created once in ``$SENDONCE_HOME/secret``
+    (the home holds that database too). Set SENDONCE_SECRET to keep the secret out of the database.
     """
+    previous = settings.secret_previous.get_secret_value().encode() if settings.secret_previous else None
     if settings.secret is not None and settings.secret.get_secret_value():
         current = settings.secret.get_secret_value().encode()
+    elif settings.database_url:
+        path = settings.home / "secret"
+        # a secret this home made before the database kept one (an earlier version): offered first
+        made_here = path.read_text().strip().encode() if path.exists() else None
+        try:
+            current = shared_secret(settings.database_url, made_here or secrets.token_urlsafe(48).encode())
+        except psycopg.Error as exc:
+            raise ConfigurationError(
+                "SENDONCE_SECRET is not set, and the secret shared through the database cannot be read "
+                f"({str(exc).strip()}): set SENDONCE_SECRET, or make the database reachable"
+            ) from None
+        if made_here and made_here != current and previous is None:
+            # links and keys this home signed stay readable, as after a rotation
+            previous = made_here
+            logger.warning("the secret in %s is not the database's: the database's is used, that one verifies", path)
     else:
         path = settings.home / "secret"
         if not path.exists():
@@ -84,7 +104,6 @@ def keyring(settings: Settings) -> KeyRing:
             finally:
                 draft.unlink()
         current = path.read_text().strip().encode()
-    previous = settings.secret_previous.get_secret_value().encode() if settings.secret_previous else None
     retired = (
         tuple(s.encode() for s in settings.secret_retired.get_secret_value().split()) if settings.secret_retired else ()
     )
