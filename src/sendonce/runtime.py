@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import secrets
+from urllib.parse import urlsplit
 
 import psycopg
 from pydantic import SecretStr
@@ -46,10 +48,43 @@ def build_composer(settings: Settings) -> Composer:
     )
 
 
+def _is_local(host: str | None) -> bool:
+    if not host:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_of_local_links(settings: Settings) -> bool:
+    """Mail going out to the world with links to this machine's loopback (SENDONCE_PUBLIC_URL left at
+    its default): nobody who receives it can unsubscribe or verify. Logged, not refused (a staging
+    relay may be remote while the links are meant to be local); True when it warned."""
+    try:
+        relay = urlsplit(settings.transport_url or "").hostname
+        links = urlsplit(settings.public_url).hostname
+    except ValueError:
+        return False
+    if relay is None or _is_local(relay) or not _is_local(links):
+        return False
+    logger.warning(
+        "mail goes to %s but its unsubscribe and verification links point at %s: set SENDONCE_PUBLIC_URL "
+        "to the address where people reach the API",
+        relay,
+        settings.public_url,
+        extra={"action": "public_url_local"},
+    )
+    return True
+
+
 def build_worker(
     settings: Settings, config: WorkerConfig, *, url: str | None = None, faults: Faults | None = None
 ) -> Worker:
     transport = build_transport(settings, concurrency=config.concurrency)
+    warn_of_local_links(settings)
     return Worker(
         url or database_url(settings),
         transport,

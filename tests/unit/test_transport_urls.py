@@ -67,3 +67,24 @@ def test_passwords_are_not_echoed_in_errors() -> None:
     with pytest.raises(TransportConfigError) as excinfo:
         transport_from_url("ftp://user:hunter2@host")
     assert "hunter2" not in str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    ("transport", "public", "warns"),
+    [
+        ("smtp://smtp.example.com:587", "http://127.0.0.1:8000", True),
+        ("resend://KEY@api.resend.com", "http://localhost:8000", True),
+        ("smtp://smtp.example.com:587", "https://mail.acme.example", False),
+        ("smtp://127.0.0.1:1025", "http://127.0.0.1:8000", False),  # a local relay: a test set-up
+        ("smtp://[::1]:1025", "http://[::1]:8000", False),
+    ],
+)
+def test_a_worker_warns_when_its_links_point_at_loopback_but_mail_leaves(
+    transport: str, public: str, warns: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from sendonce.runtime import warn_of_local_links
+    from sendonce.settings import load_settings
+
+    settings = load_settings(transport_url=transport, public_url=public)
+    assert warn_of_local_links(settings) is warns
+    assert ("SENDONCE_PUBLIC_URL" in caplog.text) is warns
