@@ -432,6 +432,11 @@ async def test_a_campaign_with_too_many_bounces_pauses_itself(database_url: str,
         database_url, "SELECT paused_reason FROM sendonce.campaigns WHERE campaign_id = %s", setup.campaign_id
     )[0]
     assert re.match(r"bounce rate \d+\.\d% is over its limit of 10\.0%", reason)
+    auth = await _key_for(database_url, setup.account_id, client)
+    shown = client.get(f"/v1/campaigns/{setup.campaign_id}", headers=auth).json()
+    assert shown["status"] == "paused" and shown["paused_reason"] == reason
+    assert client.post(f"/v1/campaigns/{setup.campaign_id}/resume", headers=auth).status_code == 200
+    assert client.get(f"/v1/campaigns/{setup.campaign_id}", headers=auth).json()["paused_reason"] is None
 
 
 async def _key_for(database_url: str, account_id: int, client: httpx.Client) -> dict[str, str]:

@@ -119,6 +119,8 @@ class CampaignOut(BaseModel):
     scheduled_for: datetime | None = None
     lists: list[int] = []
     counts: Counts | None = None
+    paused_reason: str | None = None
+    """Why sendonce paused it (a bounce or complaint rate over its limit); None when paused by hand."""
 
 
 class SuppressionIn(BaseModel):

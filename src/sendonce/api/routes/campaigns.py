@@ -85,6 +85,7 @@ async def get_campaign(campaign_id: CampaignId, account: CurrentAccount, conn: D
         scheduled_for=campaign.scheduled_for,
         lists=campaign.list_ids,
         counts=Counts(**dataclasses.asdict(counts)),
+        paused_reason=campaign.paused_reason if campaign.status is CampaignStatus.PAUSED else None,
     )
 
 

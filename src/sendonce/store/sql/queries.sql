@@ -187,15 +187,15 @@ RETURNING campaign_id, status, scheduled_for;
 -- CAS approved|sending -> paused. Workers stop claiming its rows and release claimed rows they have
 -- not started at their next lease renewal.
 UPDATE sendonce.campaigns
-   SET status = 'paused', updated_at = now()
+   SET status = 'paused', paused_reason = NULL, updated_at = now()
  WHERE account_id = %(account_id)s AND campaign_id = %(campaign_id)s AND status IN ('approved', 'sending')
 RETURNING campaign_id, status, scheduled_for;
 
 -- resume_campaign --
--- CAS paused -> sending, or -> approved when it had not started yet.
+-- CAS paused -> sending, or -> approved when it had not started yet; the reason of the pause goes.
 UPDATE sendonce.campaigns
    SET status = CASE WHEN started_at IS NULL THEN 'approved' ELSE 'sending' END::sendonce.campaign_status,
-       updated_at = now()
+       paused_reason = NULL, updated_at = now()
  WHERE account_id = %(account_id)s AND campaign_id = %(campaign_id)s AND status = 'paused'
 RETURNING campaign_id, status, scheduled_for;
 
