@@ -250,7 +250,10 @@ def test_oversized_bodies_get_413_before_being_read(client: httpx.Client, databa
 def test_csv_import(client: httpx.Client, database_url: str) -> None:
     auth = _account(client)
     lst = client.post("/v1/lists", json={"name": "l"}, headers=auth).json()["id"]
-    csv_body = "Email,Name\nann@example.test,Ann\nnot-an-address,X\nBOB@example.test,\nann@EXAMPLE.test,Ann B\n"
+    csv_body = (
+        "Email,Name,firstName\nann@example.test,Ann,Annie\nnot-an-address,X,\nBOB@example.test,,\n"
+        "ann@EXAMPLE.test,Ann B,Annie\n"
+    )
     response = client.post(
         f"/v1/subscribers/import?list={lst}",
         content=csv_body.encode(),
@@ -262,6 +265,12 @@ def test_csv_import(client: httpx.Client, database_url: str) -> None:
     assert body["error_rows"][0]["line"] == 3
     assert _count(database_url, "SELECT count(*) FROM sendonce.subscribers") == 2
     assert _count(database_url, "SELECT count(*) FROM sendonce.list_members") == 2
+    # other columns are attributes named as written (a template reads attributes.firstName)
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            "SELECT attributes FROM sendonce.subscribers WHERE email_key = 'ann@example.test'"
+        ).fetchone()
+    assert row is not None and row[0] == {"firstName": "Annie"}
     csv_headers = {**auth, "Content-Type": "text/csv"}
     _problem(client.post(f"/v1/subscribers/import?list={lst}", content=b"name\nx\n", headers=csv_headers), 422)
     _problem(

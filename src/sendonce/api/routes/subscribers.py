@@ -236,6 +236,9 @@ async def import_csv(
     return await idempotent(request, conn, aid, lambda: _import(request, aid, conn, list_id, preconfirm))
 
 
+_RESERVED_COLUMNS = {"email": "email", "name": "name", "status": "status"}
+
+
 async def _import(request: Request, account_id: int, conn: Conn, list_id: int, preconfirm: bool) -> Response:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in ("text/csv", "application/csv", "text/plain"):
@@ -249,7 +252,9 @@ async def _import(request: Request, account_id: int, conn: Conn, list_id: int, p
         raise Problem(422, f"the file is not UTF-8 (byte {exc.start}); nothing was written") from None
     try:
         reader = csv.DictReader(io.StringIO(text))
-        fields = [f.strip().lower() for f in reader.fieldnames or []]
+        # email, name and status in any case; every other column is an attribute, named as written
+        # (a template reads attributes.firstName, not attributes.firstname)
+        fields = [_RESERVED_COLUMNS.get(f.strip().lower(), f.strip()) for f in reader.fieldnames or []]
     except csv.Error as exc:
         raise Problem(422, f"not a CSV file: {exc}") from None
     if "email" not in fields:
