@@ -6,7 +6,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, SecretStr, ValidationError
+from pydantic import BeforeValidator, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sendonce.domain.durations import parse_duration
@@ -20,6 +20,17 @@ def _duration(value: Any) -> Any:
 
 
 Duration = Annotated[timedelta, BeforeValidator(_duration)]
+
+SIGNUP_WINDOW_MIN = timedelta(seconds=1)
+SIGNUP_WINDOW_MAX = timedelta(days=30)
+"""Bounds of a signup window: the server's default (``SENDONCE_SIGNUP_WINDOW``) and each account's own."""
+
+
+def check_signup_window(window: timedelta) -> timedelta:
+    """The window, if within the bounds; else ValueError. A zero window would queue a mail per retry."""
+    if not SIGNUP_WINDOW_MIN <= window <= SIGNUP_WINDOW_MAX:
+        raise ValueError("must be between 1s and 30d")
+    return window
 
 
 class Settings(BaseSettings):
@@ -46,10 +57,11 @@ class Settings(BaseSettings):
     unsubscribe_mailto: str | None = None
     """Mailbox of the mailto: part of List-Unsubscribe (default unsubscribe@<sending domain>)."""
     signup_window: Duration = Field(default=timedelta(hours=1))
+    """Repeats of a signup within this window queue no new mail (1s to 30d)."""
     alert_webhook_url: str | None = None
-    max_body_bytes: int = 1_048_576
+    max_body_bytes: int = Field(default=1_048_576, ge=1)
     """Largest request body the API reads (CSV imports: ``max_import_bytes``)."""
-    max_import_bytes: int = 50 * 1_048_576
+    max_import_bytes: int = Field(default=50 * 1_048_576, ge=1)
     verify_ttl: Duration = Field(default=timedelta(hours=48))
     """How long a verification link stays valid."""
     optin_ttl: Duration = Field(default=timedelta(days=7))
@@ -61,11 +73,13 @@ class Settings(BaseSettings):
     block_disposable: bool = False
     """Refuse signups from disposable-address domains (422)."""
     abuse_detector: bool = True
-    abuse_min_repeats: int = 20
+    abuse_min_repeats: int = Field(default=20, ge=1)
     """A replay burst is flagged only from this many repeats in one window, whatever the baseline."""
     abuse_window: Duration = Field(default=timedelta(seconds=10))
-    abuse_sources: int = 5
-    """Distinct client addresses signing up one address within 10 minutes that raise an alert."""
+    """Width of the buckets repeats are counted in (at least 1s)."""
+    abuse_sources: int = Field(default=5, ge=2)
+    """Distinct client addresses signing up one address within 10 minutes that raise an alert (at least 2:
+    one client is not "many sources", and 1 would raise an alert for every address signed up)."""
     trust_forwarded_for: bool = False
     """Take the client address from X-Forwarded-For (only behind a proxy you control)."""
 
@@ -96,6 +110,19 @@ class Settings(BaseSettings):
     """Comma-separated SNS topics whose SES notifications are accepted (required for ses)."""
     sns_auto_confirm: bool = True
     """Confirm SNS subscriptions to those topics automatically."""
+
+    @field_validator("signup_window")
+    @classmethod
+    def _signup_window_bounds(cls, value: timedelta) -> timedelta:
+        return check_signup_window(value)
+
+    @field_validator("verify_ttl", "optin_ttl", "abuse_window", "soft_bounce_period")
+    @classmethod
+    def _at_least_a_second(cls, value: timedelta) -> timedelta:
+        # Zero would expire every link at once, divide by zero in the abuse detector, or count no bounce.
+        if value < timedelta(seconds=1):
+            raise ValueError("must be at least 1s")
+        return value
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -82,6 +82,16 @@ class AbuseDetector:
     _flagged_sources: dict[tuple[int, str], float] = field(default_factory=dict)
     _swept: float | None = None
 
+    def __post_init__(self) -> None:
+        # Settings refuses these already; a detector built otherwise must not fail later, after a
+        # request committed (a zero bucket divides by zero), so it refuses them too.
+        if not self.bucket_seconds > 0 or not self.sources_window > 0:
+            raise ValueError("the abuse detector's windows must be longer than zero")
+        if not 0 < self.alpha <= 1:
+            raise ValueError("the abuse detector's alpha must be in (0, 1]")
+        if self.min_count < 1 or self.sources_threshold < 1:
+            raise ValueError("the abuse detector's min_count and sources_threshold must be at least 1")
+
     def _sweep(self, now: float) -> None:
         """Forget what can no longer raise or suppress a flag (at most once per SWEEP_SECONDS)."""
         if self._swept is None:

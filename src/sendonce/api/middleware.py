@@ -40,18 +40,26 @@ class BodyLimitMiddleware:
                     return
         received = 0
         response_started = False
+        refused = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            nonlocal received, refused
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
+                    if not response_started and not refused:
+                        # Answered here: FastAPI turns any error while it reads a body into a 400
+                        # ("There was an error parsing the body"), so BodyTooLarge may never reach us.
+                        refused = True
+                        await self._refuse(send, limit, scope.get("path", ""))
                     raise BodyTooLarge
             return message
 
         async def tracking_send(message: Message) -> None:
             nonlocal response_started
+            if refused:
+                return  # the 413 was the answer: what the app makes of the aborted read goes nowhere
             if message["type"] == "http.response.start":
                 response_started = True
             await send(message)
@@ -59,7 +67,7 @@ class BodyLimitMiddleware:
         try:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
-            if not response_started:
+            if not response_started and not refused:
                 await self._refuse(send, limit, scope.get("path", ""))
 
     async def _refuse(self, send: Send, limit: int, path: str) -> None:

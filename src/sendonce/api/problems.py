@@ -100,7 +100,9 @@ def validation_errors(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, str
 def unavailable() -> Problem:
     return Problem(
         503,
-        "the database is unavailable right now; nothing was written, retry later",
+        # Not "nothing was written": the connection can drop during COMMIT, after PostgreSQL committed.
+        "the database is unavailable right now; the request may or may not have been written: retry later "
+        "(a POST with the same Idempotency-Key, so that the retry cannot do it twice)",
         headers={"Retry-After": "2"},
     )
 

@@ -39,10 +39,17 @@ class Services:
     _webhook_tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def client_address(self, request: Request) -> str:
+        """The client's address: the peer's, or behind a trusted proxy the one it appended.
+
+        A proxy appends the peer it saw to X-Forwarded-For, after whatever the client sent: only the
+        rightmost entry is the proxy's word, the ones before it are the client's (and the abuse
+        detector must not take a client's choice of address). Several header lines are one list.
+        """
         if self.settings.trust_forwarded_for:
-            forwarded = request.headers.get("x-forwarded-for")
-            if forwarded:
-                return forwarded.split(",")[0].strip()[:64]
+            forwarded = ",".join(request.headers.getlist("x-forwarded-for"))
+            last = forwarded.rsplit(",", 1)[-1].strip()
+            if last:
+                return last[:64]
         return request.client.host if request.client else "unknown"
 
     def verify_url(self, token: str) -> str:
@@ -52,7 +59,7 @@ class Services:
         """Store new alerts (once per subject, kind and hour across processes); log and post them.
 
         Called after the request's own work committed: a database error here must not turn its
-        answer into an error (a 503 would say "nothing was written" about a signup that was), so
+        answer into an error (a 503 would tell the client to retry a signup that was written), so
         the alerts it could not store are logged and counted instead, and the answer stands.
         """
         import time

@@ -12,6 +12,7 @@ from sendonce.api.deps import CurrentAccount, Db
 from sendonce.api.models import BIGINT_MAX
 from sendonce.api.problems import Problem
 from sendonce.domain.durations import parse_duration
+from sendonce.settings import check_signup_window
 from sendonce.store import accounts as store
 from sendonce.store import lists as list_store
 
@@ -63,8 +64,10 @@ async def update_account(body: AccountSettingsIn, account: CurrentAccount, conn:
             window = parse_duration(body.signup_window)
         except ValueError as exc:
             raise Problem(422, f"signup_window: {exc}") from None
-        if not timedelta(seconds=1) <= window <= timedelta(days=30):
-            raise Problem(422, "signup_window must be between 1s and 30d")
+        try:
+            check_signup_window(window)
+        except ValueError as exc:
+            raise Problem(422, f"signup_window {exc}") from None
     if body.signup_list_id is not None and not await list_store.existing_lists(
         conn, account.account_id, [body.signup_list_id]
     ):
