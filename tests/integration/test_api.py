@@ -354,7 +354,7 @@ def test_a_suppression_import_is_written_whole_or_not_at_all(
     client: httpx.Client, database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Written 5,000 rows a statement: the database lost at the second one must not leave the first
-    # behind the 503 that says "nothing was written, retry".
+    # behind the 503 that tells the client to retry the whole file.
     from sendonce.store import suppressions
 
     auth = _account(client)
