@@ -11,21 +11,36 @@ keeps it out of it.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import psycopg
 
+from sendonce.store.database import is_unavailable
 from sendonce.store.migrations import ADVISORY_LOCK_KEY
 
 _READ = "SELECT secret FROM sendonce_meta.generated_secret"
 
 
-def shared_secret(conninfo: str, offered: bytes) -> bytes:
+def shared_secret(conninfo: str, offered: bytes, *, wait: float = 30.0) -> bytes:
     """The secret stored in the database, storing ``offered`` first if there is none yet.
 
     The table is made on first use, under the migrations' advisory lock (so neither two processes
     nor a concurrent ``db upgrade`` race to create the schema), since the secret is needed before
-    the migrations of a process that starts with ``--no-upgrade`` or validates its settings first."""
+    the migrations of a process that starts with ``--no-upgrade`` or validates its settings first.
+    A database that cannot be reached is tried again for ``wait`` seconds (a worker or an API that
+    starts while PostgreSQL does), then its error is raised."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return _shared_secret(conninfo, offered)
+        except psycopg.Error as exc:
+            if not is_unavailable(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(1.0)
+
+
+def _shared_secret(conninfo: str, offered: bytes) -> bytes:
     with psycopg.connect(conninfo, autocommit=False, connect_timeout=10) as conn:
         conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
         with conn.transaction():
