@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -13,6 +14,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from sendonce.errors import ConfigurationError, SendonceError
@@ -51,6 +53,12 @@ class EventLoop(StrEnum):
     uvloop = "uvloop"
 
 
+def _error(message: str) -> None:
+    """Report a failure on one line of stderr: line breaks in ``message`` folded, not wrapped at the
+    terminal's width, not read as markup."""
+    console.print(f"[red]error:[/red] {escape(' '.join(message.split()))}", soft_wrap=True, highlight=False)
+
+
 def _loop_runner(loop: EventLoop) -> Callable[[Coroutine[Any, Any, T]], T]:
     """What runs a coroutine on the chosen event loop; exits 2 at once if it is not installed.
     Python's own is the default: in the benchmark's A/B uvloop made no difference that stood out of
@@ -61,7 +69,7 @@ def _loop_runner(loop: EventLoop) -> Callable[[Coroutine[Any, Any, T]], T]:
     try:
         import uvloop
     except ImportError:
-        console.print("[red]error:[/red] --loop uvloop: uvloop is not installed")
+        _error("--loop uvloop: uvloop is not installed")
         raise typer.Exit(2) from None
     logger.info("event loop: uvloop %s", getattr(uvloop, "__version__", "?"))
     return uvloop.run
@@ -71,18 +79,58 @@ def _settings() -> Settings:
     try:
         return load_settings()
     except ConfigurationError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        _error(str(exc))
         raise typer.Exit(2) from None
+
+
+def _finite(value: float) -> float:
+    """Refuse inf and nan, which pass a minimum and then fail far from the command line."""
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 def _database_url(settings: Settings) -> str:
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
     from sendonce.runtime import database_url
 
     try:
-        return database_url(settings)
+        url = database_url(settings)
     except SendonceError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        _error(str(exc))
         raise typer.Exit(2) from None
+    try:
+        conninfo_to_dict(url)  # a malformed URL is a setting to fix, not something to retry
+    except psycopg.Error as exc:
+        _error(f"SENDONCE_DATABASE_URL: {_one_line(exc)}")
+        raise typer.Exit(2) from None
+    return url
+
+
+def _require_schema(url: str, *, unreachable_ok: bool = False) -> None:
+    """Exit 2 when the database's schema is older than this sendonce (a process started with
+    --no-upgrade, or a command that never migrates), before its first query fails on a missing table.
+
+    ``unreachable_ok``: a server that cannot be reached is not refused here; the worker and the API
+    start while PostgreSQL is down (the worker retries, the API answers 503) and find out later.
+    """
+    import psycopg
+
+    from sendonce.errors import MigrationError
+    from sendonce.store.database import is_unavailable
+    from sendonce.store.migrations import check_current
+
+    try:
+        check_current(url)
+    except MigrationError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    except psycopg.Error as exc:
+        if not (unreachable_ok and is_unavailable(exc)):
+            raise
+        logger.warning("cannot check the database's schema now: %s", _one_line(exc))
 
 
 def _upgrade(url: str, *, wait: float = 30.0) -> list[str]:
@@ -120,7 +168,7 @@ def db_upgrade() -> None:
     try:
         applied = _upgrade(url)
     except SendonceError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        _error(str(exc))
         raise typer.Exit(1) from None
     if applied:
         console.print(f"applied: {', '.join(applied)}")
@@ -152,8 +200,12 @@ def db_stop() -> None:
 def worker(
     concurrency: Annotated[int, typer.Option(min=1, max=1000, help="Parallel transport connections.")] = 10,
     batch_size: Annotated[int, typer.Option(min=1, max=10_000, help="Rows claimed per batch.")] = 20,
-    tick: Annotated[float, typer.Option(min=0.01, help="Seconds between looks when nothing wakes the worker.")] = 60.0,
-    lease: Annotated[float, typer.Option(min=1.0, help="Seconds a claim is valid (renewed while held).")] = 30.0,
+    tick: Annotated[
+        float, typer.Option(min=0.01, callback=_finite, help="Seconds between looks when nothing wakes the worker.")
+    ] = 60.0,
+    lease: Annotated[
+        float, typer.Option(min=1.0, callback=_finite, help="Seconds a claim is valid (renewed while held).")
+    ] = 30.0,
     drain: Annotated[bool, typer.Option("--drain", help="Exit once no work is left.")] = False,
     fast_records: Annotated[
         bool,
@@ -182,6 +234,8 @@ def worker(
 
     settings = _settings()
     url = _database_url(settings)
+    if not upgrade_schema:
+        _require_schema(url, unreachable_ok=True)
     try:
         if upgrade_schema:
             _upgrade(url)
@@ -200,7 +254,7 @@ def worker(
         )
         built = build_worker(settings, config, url=url)
     except (SendonceError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        _error(str(exc))
         raise typer.Exit(2) from None
     metrics = None
     if metrics_port is not None:
@@ -209,7 +263,7 @@ def worker(
         try:
             metrics, _ = serve_metrics(built, metrics_host, metrics_port)
         except OSError as exc:
-            console.print(f"[red]error:[/red] cannot serve metrics on {metrics_host}:{metrics_port}: {exc}")
+            _error(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}")
             raise typer.Exit(2) from None
         logger.info("metrics at http://%s:%d/metrics", metrics_host, metrics.server_port)
     try:
@@ -240,14 +294,16 @@ def api(
     try:
         application = create_app(settings, database_url=url)  # a bad setting stops here, not at a request
     except ConfigurationError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        _error(str(exc))
         raise typer.Exit(2) from None
     if upgrade_schema:
         try:
             _upgrade(url)
         except SendonceError as exc:
-            console.print(f"[red]error:[/red] {exc}")
+            _error(str(exc))
             raise typer.Exit(1) from None
+    else:
+        _require_schema(url, unreachable_ok=True)
     if workers == 1:
         uvicorn.run(application, host=host, port=port, log_level="warning", access_log=False)
         return
@@ -275,6 +331,7 @@ def duplicates(
     from sendonce.store.database import connect
 
     url = _database_url(_settings())
+    _require_schema(url)
 
     async def fetch() -> list[dict[str, object]]:
         async with await connect(url) as conn:
@@ -312,10 +369,13 @@ def outbox_prune(
     try:
         age = parse_duration(older_than)
     except ValueError as exc:
-        console.print(f"[red]error:[/red] --older-than: {exc}")
+        _error(f"--older-than: {exc}")
         raise typer.Exit(2) from None
     settings = _settings()
     url = _database_url(settings)
+    _require_schema(url)
+    # Opened before anything is deleted: a path that cannot be written stops the command here.
+    handle = archive.open("a", encoding="utf-8") if archive is not None and not dry_run else None
 
     async def run() -> tuple[int, int]:
         removed = 0
@@ -323,11 +383,10 @@ def outbox_prune(
             while True:
                 async with conn.transaction():
                     rows = await outbox.prune(conn, age)
-                    if rows and archive is not None and not dry_run:
-                        with archive.open("a", encoding="utf-8") as handle:
-                            for row in rows:
-                                handle.write(json.dumps(row, default=str) + "\n")
-                            handle.flush()
+                    if rows and handle is not None:
+                        for row in rows:
+                            handle.write(json.dumps(row, default=str) + "\n")
+                        handle.flush()
                     if dry_run:  # leaving the transaction by an exception rolls the deletion back
                         raise _DryRun(len(rows))
                 removed += len(rows)
@@ -341,6 +400,9 @@ def outbox_prune(
     except _DryRun as stop:
         console.print(f"would remove at least {stop.count:,} rows (first batch); nothing changed")
         return
+    finally:
+        if handle is not None:
+            handle.close()
     console.print(f"removed {removed:,} outbox rows" + (f" (archived to {archive})" if archive else ""))
     console.print(f"removed {keys:,} expired idempotency keys")
 
@@ -369,12 +431,41 @@ def demo(
     from sendonce.demo import run_demo
 
     settings = _settings()
-    ok = run_demo(settings, subscribers=subscribers, workers=workers, console=Console())
+    try:
+        ok = run_demo(settings, subscribers=subscribers, workers=workers, console=Console())
+    except ConfigurationError as exc:  # a setting the workers would have died of
+        _error(str(exc))
+        raise typer.Exit(2) from None
     raise typer.Exit(0 if ok else 1)
 
 
+def _one_line(exc: BaseException) -> str:
+    """The error's message; for PostgreSQL's, the server's own words without the query it quotes back
+    (``LINE 1: ...`` and a caret), which ``_error`` would fold into the line."""
+    import psycopg
+
+    if isinstance(exc, psycopg.Error) and exc.diag.message_primary:
+        return exc.diag.message_primary
+    return str(exc) or type(exc).__name__
+
+
 def main() -> None:
-    app()
+    """The entry point. The one place where an error no command handled becomes one line and an exit
+    code instead of a traceback: PostgreSQL refusing or failing (1), a file that cannot be read or
+    written (1)."""
+    import psycopg
+
+    try:
+        app()
+    except psycopg.Error as exc:
+        _error(f"PostgreSQL: {_one_line(exc)}")
+        sys.exit(1)
+    except OSError as exc:
+        _error(_one_line(exc))
+        sys.exit(1)
+    except SendonceError as exc:
+        _error(str(exc))
+        sys.exit(1)
 
 
 if __name__ == "__main__":

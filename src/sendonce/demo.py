@@ -18,6 +18,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import psycopg
 from psycopg import sql
@@ -28,6 +29,7 @@ from rich.table import Table
 
 from sendonce.domain.addresses import parse_address
 from sendonce.domain.states import SuppressionReason
+from sendonce.runtime import feedback_policy, keyring, send_rates
 from sendonce.settings import Settings
 from sendonce.store import accounts, campaigns, lists, subscribers, suppressions
 from sendonce.store.database import connect
@@ -136,35 +138,51 @@ async def _ledger(url: str, account_id: int, campaign_id: int) -> set[str]:
     return {str(r["job_id"]) for r in rows}
 
 
-def _spawn_worker(url: str, transport_url: str, concurrency: int) -> subprocess.Popen[bytes]:
+def check_worker_settings(settings: Settings, url: str | None = None) -> None:
+    """Raise ``ConfigurationError`` for a setting the demo's workers would die of at start (they read
+    the same environment): the rates and feedback limits; with ``url``, the demo's database the workers
+    are pointed at, the secret too (without SENDONCE_SECRET they share the one kept in that database)."""
+    send_rates(settings)
+    feedback_policy(settings)
+    if url is not None:
+        keyring(settings.model_copy(update={"database_url": url}))
+
+
+def _spawn_worker(url: str, transport_url: str, concurrency: int, log: Path) -> subprocess.Popen[bytes]:
+    """A ``sendonce worker`` process; its stderr goes to ``log``, to be shown if it dies."""
     env = {
         **os.environ,
         "SENDONCE_DATABASE_URL": url,
         "SENDONCE_TRANSPORT_URL": transport_url,
     }
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sendonce.cli",
-            "--log-level",
-            "warning",
-            "worker",
-            "--concurrency",
-            str(concurrency),
-            "--batch-size",
-            "20",
-            "--lease",
-            "4",
-            "--tick",
-            "1",
-            "--no-upgrade",
-        ],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    with log.open("wb") as stderr:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sendonce.cli",
+                "--log-level",
+                "warning",
+                "worker",
+                "--concurrency",
+                str(concurrency),
+                "--batch-size",
+                "20",
+                "--lease",
+                "4",
+                "--tick",
+                "1",
+                "--no-upgrade",
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    return "\n".join(log.read_text("utf-8", errors="replace").splitlines()[-lines:])
 
 
 def run_demo(
@@ -172,6 +190,9 @@ def run_demo(
 ) -> bool:
     console = console or Console()
     started = time.monotonic()
+    check_worker_settings(settings)  # before anything is created
+    logs = settings.home / "demo"
+    logs.mkdir(parents=True, exist_ok=True)
     where = (
         "the server of SENDONCE_DATABASE_URL"
         if settings.database_url
@@ -180,13 +201,14 @@ def run_demo(
     console.print(f"[bold]sendonce demo[/bold]: {where}, database {DEMO_DATABASE!r}")
     url, started_server = _demo_database(settings)
     try:
-        return _run(console, url, subscribers, workers, started)
+        check_worker_settings(settings, url)
+        return _run(console, url, subscribers, workers, started, logs)
     finally:
         if started_server is not None:
             started_server.stop()
 
 
-def _run(console: Console, url: str, subscribers: int, workers: int, started: float) -> bool:
+def _run(console: Console, url: str, subscribers: int, workers: int, started: float, logs: Path) -> bool:
     upgrade(url)
     plan = plan_subscribers(subscribers)
     with Inbox() as inbox:
@@ -196,7 +218,8 @@ def _run(console: Console, url: str, subscribers: int, workers: int, started: fl
             f"• {plan.unique:,} subscribers in two overlapping lists ({len(plan.list_a):,} + {len(plan.list_b):,}; "
             f"{plan.case_variants} addresses typed in another case), campaign {campaign_id} approved"
         )
-        procs = [_spawn_worker(url, inbox.url, 4) for _ in range(workers)]
+        log_files = [logs / f"worker-{n}.log" for n in range(workers)]
+        procs = [_spawn_worker(url, inbox.url, 4, log) for log in log_files]
         console.print(f"• {workers} worker processes started (pids {', '.join(str(p.pid) for p in procs)})")
         killed_at = None
         opted_out: str | None = None
@@ -205,6 +228,7 @@ def _run(console: Console, url: str, subscribers: int, workers: int, started: fl
         opt_out_threshold = int(plan.unique * 0.5)
         final_status = "sending"
         counts = None
+        died: str | None = None
         try:
             with Progress(
                 TextColumn("[progress.description]{task.description}"),
@@ -217,6 +241,15 @@ def _run(console: Console, url: str, subscribers: int, workers: int, started: fl
             ) as progress:
                 task = progress.add_task("sending", total=plan.unique, inbox=0)
                 while time.monotonic() - started < TIME_LIMIT:
+                    # A worker exits only when stopped: one that exited by itself died of an error.
+                    for proc, log in zip(procs, log_files, strict=True):
+                        if proc.poll() is not None:
+                            died = f"worker pid {proc.pid} exited with code {proc.returncode} (log: {log})"
+                            progress.console.print(f"[red]✖ {died}[/red]")
+                            progress.console.print(_tail(log), markup=False, highlight=False, soft_wrap=True)
+                            break
+                    if died is not None:
+                        break
                     final_status, counts = asyncio.run(_status(url, account_id, campaign_id))
                     done = counts.sent + counts.suppressed + counts.failed
                     progress.update(task, completed=done, total=max(counts.total, 1), inbox=len(inbox.messages))
@@ -229,7 +262,7 @@ def _run(console: Console, url: str, subscribers: int, workers: int, started: fl
                             f"[red]✖ worker pid {victim.pid} killed with SIGKILL[/red] "
                             f"at {killed_at:,} sent; restarting it"
                         )
-                        procs[0] = _spawn_worker(url, inbox.url, 4)
+                        procs[0] = _spawn_worker(url, inbox.url, 4, log_files[0])
                     if opted_out is None and counts.sent >= opt_out_threshold:
                         opted_out = asyncio.run(_opt_out(url, account_id, campaign_id))
                         progress.console.print(f"[yellow]• opt-out mid-send:[/yellow] {opted_out} unsubscribed")
@@ -248,6 +281,9 @@ def _run(console: Console, url: str, subscribers: int, workers: int, started: fl
         ledger = asyncio.run(_ledger(url, account_id, campaign_id))
         final_status, counts = asyncio.run(_status(url, account_id, campaign_id))
         received = inbox.messages
+    if died is not None:
+        console.print(f"[red bold]✘ stopped: {died}[/red bold]")
+        return False
     return _report(
         console,
         plan,

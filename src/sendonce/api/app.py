@@ -36,6 +36,7 @@ from sendonce.faults import Faults
 from sendonce.runtime import feedback_policy, keyring, webhook_config
 from sendonce.settings import Settings, load_settings
 from sendonce.store.database import create_pool, resolve_database_url
+from sendonce.store.migrations import behind, schema_version
 from sendonce.store.rate_limits import Rate
 from sendonce.store.signups import SignupLimits
 
@@ -117,10 +118,18 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
     async def health(request: Request) -> Any:
         try:
             async with request.app.state.pool.connection(timeout=2.0) as conn:
-                await conn.execute("SELECT 1")
+                version = await schema_version(conn)
         except Exception as exc:
             logger.warning("health: database unavailable: %s", exc)
             return JSONResponse({"status": "unavailable", "database": "unreachable"}, status_code=503)
+        # Reachable is not enough: on a schema older than the code (started with --no-upgrade before
+        # `sendonce db upgrade` ran) every request would fail with a 500.
+        reason = behind(version)
+        if reason is not None:
+            logger.warning("health: %s", reason)
+            return JSONResponse(
+                {"status": "unavailable", "database": "schema behind", "detail": reason}, status_code=503
+            )
         return {"status": "ok", "database": "ok"}
 
     return app

@@ -64,7 +64,9 @@ class EmbeddedPostgres:
         with psycopg.connect(self.admin_url(), autocommit=True) as conn:
             found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,)).fetchone()
             if not found:
-                with suppress(psycopg.errors.DuplicateDatabase):  # another process won the race
+                # Another process won the race: DuplicateDatabase if its CREATE had committed when
+                # this one looked, UniqueViolation (on pg_database's name index) if both were creating.
+                with suppress(psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation):
                     conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
         return self.url(database)
 

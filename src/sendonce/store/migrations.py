@@ -9,6 +9,7 @@ the same version number.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import re
@@ -17,6 +18,7 @@ from importlib import resources
 from typing import Any
 
 import psycopg
+from psycopg.rows import tuple_row
 
 from sendonce.errors import MigrationError
 
@@ -107,10 +109,51 @@ def _upgrade(conn: psycopg.Connection[tuple[Any, ...]], migrations: list[Migrati
         return pending
 
 
+_HAS_BOOKKEEPING = "SELECT to_regclass('sendonce_meta.schema_migrations') IS NOT NULL"
+_LATEST = "SELECT coalesce(max(version), 0) FROM sendonce_meta.schema_migrations"
+
+
+@functools.cache
+def required_version() -> int:
+    """The schema version this sendonce's code is written for: the number of its latest migration."""
+    return available_migrations()[-1].version
+
+
 def current_version(conninfo: str) -> int:
-    with psycopg.connect(conninfo) as conn:
-        row = conn.execute("SELECT to_regclass('sendonce_meta.schema_migrations') IS NOT NULL").fetchone()
+    """The version of the schema in the database (0: no migration applied)."""
+    with psycopg.connect(conninfo) as conn, conn.cursor(row_factory=tuple_row) as cursor:
+        row = cursor.execute(_HAS_BOOKKEEPING).fetchone()
         if not row or not row[0]:
             return 0
-        version = conn.execute("SELECT coalesce(max(version), 0) FROM sendonce_meta.schema_migrations").fetchone()
+        version = cursor.execute(_LATEST).fetchone()
         return int(version[0]) if version else 0
+
+
+async def schema_version(conn: psycopg.AsyncConnection[Any]) -> int:
+    """``current_version`` on an open connection (the API's pool), whatever its row factory."""
+    async with conn.cursor(row_factory=tuple_row) as cursor:
+        await cursor.execute(_HAS_BOOKKEEPING)
+        row = await cursor.fetchone()
+        if not row or not row[0]:
+            return 0
+        await cursor.execute(_LATEST)
+        version = await cursor.fetchone()
+        return int(version[0]) if version else 0
+
+
+def behind(version: int) -> str | None:
+    """What to tell the operator when a schema at ``version`` is older than this sendonce's code; None
+    when it is not. A newer schema is not refused here: during a rolling upgrade the next release
+    migrates while processes of this one still run and restart (``upgrade`` is what refuses it)."""
+    required = required_version()
+    if version >= required:
+        return None
+    return f"the database schema is at {version}, this sendonce needs {required}: run `sendonce db upgrade`"
+
+
+def check_current(conninfo: str) -> None:
+    """Raise ``MigrationError`` when the database's schema is older than this sendonce's code, before
+    a process that does not migrate starts work that would fail on its first query."""
+    message = behind(current_version(conninfo))
+    if message is not None:
+        raise MigrationError(message)

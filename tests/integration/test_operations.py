@@ -1,0 +1,247 @@
+"""What an operator sees when something is wrong around sendonce: a one-line error and an exit code
+from the CLI (never a traceback), a /health that says why, a first start of the embedded server by
+two processes at once, a demo whose workers cannot start."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from sendonce.store.embedded import EmbeddedPostgres, embedded_for_home
+from sendonce.store.migrations import required_version, upgrade
+from tests.conftest import ApiServer
+
+
+def sendonce(
+    *args: str, url: str | None, home: Path, timeout: float = 60, **env: str
+) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "SENDONCE_HOME": str(home), **env}
+    full.pop("SENDONCE_DATABASE_URL", None)
+    if url is not None:
+        full["SENDONCE_DATABASE_URL"] = url
+    return subprocess.run(
+        [sys.executable, "-m", "sendonce.cli", *args],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def one_line_error(done: subprocess.CompletedProcess[str], code: int) -> str:
+    """The error line of a command that failed as it should: exit ``code``, one ``error:`` line, no traceback."""
+    assert done.returncode == code, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    return errors[0]
+
+
+COMMANDS = [
+    pytest.param(["db", "upgrade"], id="db-upgrade"),
+    pytest.param(["worker", "--drain"], id="worker"),
+    pytest.param(["api", "--port", "0"], id="api"),
+    pytest.param(["duplicates", "--account", "1"], id="duplicates"),
+    pytest.param(["outbox", "prune", "--older-than", "90d"], id="outbox-prune"),
+]
+
+
+@pytest.mark.parametrize("args", COMMANDS)
+def test_a_malformed_database_url_is_a_configuration_error(args: list[str], tmp_path: Path) -> None:
+    done = sendonce(*args, url="garbage", home=tmp_path, SENDONCE_TRANSPORT_URL="smtp://127.0.0.1:1")
+    line = one_line_error(done, 2)
+    assert line.startswith("error: SENDONCE_DATABASE_URL:") and "garbage" in line
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["worker", "--no-upgrade", "--drain"], id="worker"),
+        pytest.param(["api", "--no-upgrade", "--port", "0"], id="api"),
+        pytest.param(["duplicates", "--account", "1"], id="duplicates"),
+        pytest.param(["outbox", "prune", "--older-than", "90d"], id="outbox-prune"),
+    ],
+)
+def test_a_database_without_the_schema_is_refused_at_start(
+    args: list[str], empty_database_url: str, tmp_path: Path
+) -> None:
+    done = sendonce(*args, url=empty_database_url, home=tmp_path, SENDONCE_TRANSPORT_URL="smtp://127.0.0.1:1")
+    line = one_line_error(done, 2)
+    assert f"the database schema is at 0, this sendonce needs {required_version()}" in line
+    assert "sendonce db upgrade" in line
+
+
+def test_a_database_one_migration_behind_is_refused_too(database_url: str, tmp_path: Path) -> None:
+    with psycopg.connect(database_url) as conn:
+        conn.execute("DELETE FROM sendonce_meta.schema_migrations WHERE version = %s", (required_version(),))
+    done = sendonce("duplicates", "--account", "1", url=database_url, home=tmp_path)
+    assert f"schema is at {required_version() - 1}," in one_line_error(done, 2)
+
+
+def test_a_current_schema_passes_the_check(database_url: str, tmp_path: Path) -> None:
+    done = sendonce("duplicates", "--account", "1", url=database_url, home=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "0 entries" in done.stdout
+
+
+def test_a_database_that_does_not_exist_is_one_line(pg_admin_url: str, tmp_path: Path) -> None:
+    missing = make_conninfo(pg_admin_url, dbname=f"sendonce_missing_{secrets.token_hex(4)}")
+    done = sendonce("duplicates", "--account", "1", url=missing, home=tmp_path)
+    line = one_line_error(done, 1)
+    assert line.startswith("error: PostgreSQL:") and "does not exist" in line
+
+
+@pytest.fixture
+def role_without_create(pg_admin_url: str) -> Iterator[str]:
+    """A role that may connect but not create a schema in the database (PostgreSQL 15's defaults)."""
+    role = f"sendonce_r_{secrets.token_hex(4)}"
+    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    yield role
+    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+
+
+def test_an_upgrade_without_the_right_to_create_is_one_line(
+    empty_database_url: str, role_without_create: str, tmp_path: Path
+) -> None:
+    url = make_conninfo(empty_database_url, user=role_without_create, password="")
+    done = sendonce("db", "upgrade", url=url, home=tmp_path)
+    line = one_line_error(done, 1)
+    assert line.startswith("error: PostgreSQL: permission denied"), line
+
+
+def test_an_archive_that_cannot_be_written_stops_the_prune_before_it_deletes(database_url: str, tmp_path: Path) -> None:
+    archive = tmp_path / "no" / "such" / "folder" / "archive.jsonl"
+    done = sendonce(
+        "outbox", "prune", "--older-than", "90d", "--archive", str(archive), url=database_url, home=tmp_path
+    )
+    line = one_line_error(done, 1)
+    assert "No such file or directory" in line and str(archive) in line
+
+
+@pytest.mark.parametrize(("option", "value"), [("--lease", "inf"), ("--tick", "inf")])
+def test_worker_durations_must_be_finite(option: str, value: str, database_url: str, tmp_path: Path) -> None:
+    done = sendonce(
+        "worker",
+        "--no-upgrade",
+        "--drain",
+        f"{option}={value}",
+        url=database_url,
+        home=tmp_path,
+        SENDONCE_TRANSPORT_URL="smtp://127.0.0.1:1",
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"Invalid value for '{option}'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_health_is_503_while_the_schema_is_behind(empty_database_url: str) -> None:
+    with ApiServer(empty_database_url) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        behind = client.get("/health")
+        assert behind.status_code == 503
+        body = behind.json()
+        assert body["status"] == "unavailable" and body["database"] == "schema behind"
+        assert f"at 0, this sendonce needs {required_version()}" in body["detail"]
+        assert "sendonce db upgrade" in body["detail"]
+        upgrade(empty_database_url)
+        assert client.get("/health").json() == {"status": "ok", "database": "ok"}
+
+
+class _ServerHandle:
+    """Stands for the embedded server's handle: the URLs of a real server the test already has."""
+
+    def __init__(self, admin_url: str) -> None:
+        self.admin_url = admin_url
+
+    def get_uri(self, database: str) -> str:
+        return make_conninfo(self.admin_url, dbname=database)
+
+
+def _first_starts(admin_url: str, data_dir: Path, name: str, parties: int) -> list[BaseException]:
+    """``parties`` threads released at once by a barrier, each ensuring database ``name``; what they raised."""
+    barrier = threading.Barrier(parties)
+    failures: list[BaseException] = []
+
+    def start() -> None:
+        server = EmbeddedPostgres(data_dir)
+        server._server = _ServerHandle(admin_url)
+        try:
+            barrier.wait(timeout=30)
+            assert conninfo_to_dict(server.ensure_database(name))["dbname"] == name
+        except BaseException as exc:  # reported by the test, with the others
+            failures.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(parties)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return failures
+
+
+def test_two_first_starts_at_once_both_get_the_database(pg_admin_url: str, tmp_path: Path) -> None:
+    # The race is in ensure_database: both look, find no database, and both create it; the one that
+    # loses waited on pg_database's name index and gets a UniqueViolation. A few rounds, each on a
+    # fresh name, so that at least one has both CREATEs in flight at once.
+    for _ in range(5):
+        name = f"sendonce_race_{secrets.token_hex(4)}"
+        try:
+            failures = _first_starts(pg_admin_url, tmp_path / "pgdata", name, parties=4)
+        finally:
+            with psycopg.connect(pg_admin_url, autocommit=True) as conn:
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        assert failures == []
+
+
+@pytest.fixture
+def demo_home(tmp_path: Path) -> Iterator[Path]:
+    """A SENDONCE_HOME for the demo; its embedded server is stopped after, even if the demo was not."""
+    home = tmp_path / "home"
+    yield home
+    server = embedded_for_home(home)
+    if (home / "pgdata").exists() and server.running():
+        server.stop()
+
+
+def test_the_demo_refuses_a_setting_its_workers_would_die_of(demo_home: Path) -> None:
+    began = time.monotonic()
+    done = sendonce(
+        "demo", "--subscribers", "10", "--workers", "1", url=None, home=demo_home, timeout=30, SENDONCE_RATE_LIMIT="abc"
+    )
+    line = one_line_error(done, 2)
+    assert "rate" in line and "abc" in line
+    assert time.monotonic() - began < 20
+
+
+def test_the_demo_shows_why_a_worker_died(demo_home: Path) -> None:
+    # Not a setting the demo checks: the worker dies of it at start, and the demo says so at once.
+    began = time.monotonic()
+    done = sendonce(
+        "demo",
+        "--subscribers",
+        "10",
+        "--workers",
+        "1",
+        url=None,
+        home=demo_home,
+        timeout=50,
+        SENDONCE_FAULTS_SEED="not-a-number",
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "exited with code 2" in done.stdout
+    assert "not-a-number" in done.stdout  # the worker's own error, from its log
+    assert time.monotonic() - began < 45
+    assert (demo_home / "demo" / "worker-0.log").exists()
