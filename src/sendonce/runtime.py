@@ -117,10 +117,17 @@ def keyring(settings: Settings) -> KeyRing:
                 "SENDONCE_SECRET is not set, and the secret shared through the database cannot be read "
                 f"({str(exc).strip()}): set SENDONCE_SECRET, or make the database reachable"
             ) from None
-        if made_here and made_here != current and previous is None:
-            # links and keys this home signed stay readable, as after a rotation
-            previous = made_here
-            logger.warning("the secret in %s is not the database's: the database's is used, that one verifies", path)
+        if made_here and made_here != current:
+            if previous is None:
+                # links and keys this home signed stay readable, as after a rotation
+                previous = made_here
+                logger.warning("the secret in %s is not the database's: the database's signs, that one verifies", path)
+            else:
+                logger.warning(
+                    "the secret in %s is not the database's, and SENDONCE_SECRET_PREVIOUS is set: what it "
+                    "signed no longer verifies (add it to SENDONCE_SECRET_RETIRED to keep its unsubscribe links)",
+                    path,
+                )
     else:
         path = settings.home / "secret"
         if not path.exists():

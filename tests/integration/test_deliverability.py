@@ -182,19 +182,34 @@ async def test_the_unsubscribe_page_asks_first_and_offers_to_resubscribe(
     assert _one(database_url, "SELECT status FROM sendonce.list_members") == ("confirmed",)
 
 
-async def test_an_old_unsubscribe_is_not_undone_by_the_link(database_url: str, client: httpx.Client) -> None:
-    # The link never expires and travels with every forwarded copy of the mail: it may undo an
-    # unsubscribe made by mistake, that day, but never subscribe someone again who left long ago.
+async def test_an_old_unsubscribe_is_undone_only_by_a_confirmation_to_the_address(
+    database_url: str, client: httpx.Client, inbox: Inbox
+) -> None:
+    # The link never expires and travels with every forwarded copy of the mail: it undoes an
+    # unsubscribe made by mistake, that day; one made before, only through a mail to the address.
     setup = await campaign_setup(database_url, ["ann@example.test"])
     token = LINKS.unsubscribe_token(setup.account_id, 1, setup.campaign_id)  # type: ignore[arg-type]
     client.post(f"/u/{token}")
     with psycopg.connect(database_url) as conn:
-        conn.execute("UPDATE sendonce.list_members SET updated_at = now() - interval '2 days'")
+        # two days ago; other writes since (a signup's verification touching the membership) do not
+        # make it recent
+        conn.execute("UPDATE sendonce.list_members SET unsubscribed_at = now() - interval '2 days', updated_at = now()")
     page = client.get(f"/u/{token}")
-    assert page.status_code == 200 and "You are unsubscribed" in page.text and "resubscribe" not in page.text
-    refused = client.post(f"/u/{token}/resubscribe")
-    assert refused.status_code == 409 and "sign up" in refused.text
-    assert _one(database_url, "SELECT status FROM sendonce.list_members") == ("unsubscribed",)
+    assert page.status_code == 200 and "You are unsubscribed" in page.text and "Send me a mail" in page.text
+    for _ in range(3):  # a double submit, a forwarder: one confirmation mail, no subscription
+        asked = client.post(f"/u/{token}/resubscribe")
+        assert asked.status_code == 200 and "Check your inbox" in asked.text
+    assert _one(database_url, "SELECT status FROM sendonce.list_members") == ("pending",)
+    kinds = "SELECT kind, count(*) FROM sendonce.deliveries WHERE campaign_id IS NULL GROUP BY kind"
+    assert _one(database_url, kinds) == ("list_confirmation_requested", 1)
+    await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN)
+    (mail,) = [m for m in inbox.messages if m.parsed()["Subject"].startswith("Confirm")]
+    link = re.search(r"/v1/lists/confirm\?token=(\S+)", mail.parsed().get_body(("plain",)).get_content())
+    assert link is not None
+    assert client.post("/v1/lists/confirm", json={"token": link.group(1)}).json()["already_confirmed"] is False
+    assert _one(database_url, "SELECT status FROM sendonce.list_members") == ("confirmed",)
+    again = client.post(f"/u/{token}/resubscribe")
+    assert again.status_code == 200 and "Welcome back" in again.text
 
 
 async def test_transactional_mail_has_no_list_unsubscribe(
@@ -799,3 +814,42 @@ async def test_two_requests_that_race_to_renew_a_confirmation_queue_one_mail(dat
     with psycopg.connect(database_url) as conn:
         jobs = [r[0] for r in conn.execute("SELECT job_id FROM sendonce.deliveries ORDER BY delivery_id")]
     assert len(jobs) == 2 and jobs[1] == jobs[0] + ":1"
+
+
+@pytest.mark.parametrize(
+    ("round_", "mail", "renewed"),
+    [
+        (2, "failed", True),
+        (3, "failed", False),  # the last round: an address never confirmed gets no more mail
+        (1, "pruned, its round just begun", False),  # the round's age, not the membership's, decides
+        (1, "pruned, its round a week old", True),
+    ],
+)
+def test_confirmation_rounds_stop_and_are_dated_by_their_own_start(
+    database_url: str, client: httpx.Client, round_: int, mail: str, renewed: bool
+) -> None:
+    body = client.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
+    auth = {"Authorization": f"Bearer {body['api_key']}"}
+    lst = client.post("/v1/lists", json={"name": "Digest", "opt_in": "double"}, headers=auth).json()["id"]
+    ann = {"subscribers": [{"email": "ann@example.test", "lists": [lst]}]}
+    assert client.post("/v1/subscribers", json=ann, headers=auth).status_code == 200
+    started = "now() - interval '8 days'" if mail.endswith("a week old") else "now()"
+    with psycopg.connect(database_url) as conn:  # as if it had been sent round_ times already
+        conn.execute(
+            psycopg.sql.SQL(
+                "UPDATE sendonce.list_members SET optin_round = %s, round_started_at = {}, "
+                "created_at = now() - interval '30 days'"
+            ).format(psycopg.sql.SQL(started)),  # type: ignore[arg-type]
+            (round_,),
+        )
+        if mail == "failed":
+            conn.execute(
+                "UPDATE sendonce.deliveries SET job_id = job_id || ':' || %s, status = 'failed', uncertain = false",
+                (round_,),
+            )
+        else:
+            conn.execute("DELETE FROM sendonce.deliveries")
+    assert client.post("/v1/subscribers", json=ann, headers=auth).status_code == 200
+    with psycopg.connect(database_url) as conn:
+        jobs = [r[0] for r in conn.execute("SELECT job_id FROM sendonce.deliveries")]
+    assert any(job.endswith(f":{round_ + 1}") for job in jobs) is renewed

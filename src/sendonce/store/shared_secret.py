@@ -49,13 +49,16 @@ def _shared_secret(conninfo: str, offered: bytes) -> bytes:
                 if row is not None:
                     return str(row[0]).encode()
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK_KEY,))
-            conn.execute("CREATE SCHEMA IF NOT EXISTS sendonce_meta")
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS sendonce_meta.generated_secret ("
-                " only_one boolean PRIMARY KEY DEFAULT true CHECK (only_one),"
-                " secret text NOT NULL,"
-                " created_at timestamptz NOT NULL DEFAULT now())"
-            )
+            if not _exists(conn):
+                # a database not yet upgraded (migration 0013 makes the same table): made here only
+                # then, since a role that may not create (a least-privilege one) need not
+                conn.execute("CREATE SCHEMA IF NOT EXISTS sendonce_meta")
+                conn.execute(
+                    "CREATE TABLE IF NOT EXISTS sendonce_meta.generated_secret ("
+                    " only_one boolean PRIMARY KEY DEFAULT true CHECK (only_one),"
+                    " secret text NOT NULL,"
+                    " created_at timestamptz NOT NULL DEFAULT now())"
+                )
             conn.execute(
                 "INSERT INTO sendonce_meta.generated_secret (secret) VALUES (%s) ON CONFLICT DO NOTHING",
                 (offered.decode(),),

@@ -34,6 +34,11 @@ class UpsertResult:
 
 OPTIN_PURPOSE = "optin"
 
+MAX_OPTIN_ROUND = 3
+"""A pending membership's confirmation is sent again (the last one certainly undelivered, or its link
+expired) until its round reaches this: at most four mails in all to an address whose owner never
+confirms, however often an account adds it again."""
+
 ConfirmUrl = Callable[[int, int], str]
 """(list_id, subscriber_id) -> the signed link that confirms that membership."""
 
@@ -117,6 +122,7 @@ async def upsert_subscribers(
                         "list_ids": [p[0] for p in pairs],
                         "subscriber_ids": [p[1] for p in pairs],
                         "link_life_seconds": None if optin_ttl is None else optin_ttl.total_seconds(),
+                        "max_round": MAX_OPTIN_ROUND,
                     },
                 )
                 renewed = [(r["list_id"], r["subscriber_id"], r["optin_round"]) for r in await cursor.fetchall()]
@@ -135,16 +141,7 @@ async def upsert_subscribers(
             if pending:
                 if confirm_url is None:
                     raise ValueError("double opt-in memberships need confirm_url to build their links")
-                await conn.execute(
-                    query("enqueue_optin_confirmations"),
-                    {
-                        "account_id": account_id,
-                        "list_ids": [p[0] for p in pending],
-                        "subscriber_ids": [p[1] for p in pending],
-                        "rounds": [p[2] for p in pending],
-                        "urls": [confirm_url(p[0], p[1]) for p in pending],
-                    },
-                )
+                await enqueue_confirmations(conn, account_id, pending, confirm_url)
     results = []
     for row in rows:
         key = row.address.key
@@ -152,6 +149,22 @@ async def upsert_subscribers(
         results.append(UpsertResult(ids[key], key in created))
         created.discard(key)
     return results
+
+
+async def enqueue_confirmations(
+    conn: Conn, account_id: int, pending: list[tuple[int, int, int]], confirm_url: ConfirmUrl
+) -> None:
+    """Queue the confirmation mail of each (list_id, subscriber_id, round) pending membership given."""
+    await conn.execute(
+        query("enqueue_optin_confirmations"),
+        {
+            "account_id": account_id,
+            "list_ids": [p[0] for p in pending],
+            "subscriber_ids": [p[1] for p in pending],
+            "rounds": [p[2] for p in pending],
+            "urls": [confirm_url(p[0], p[1]) for p in pending],
+        },
+    )
 
 
 async def confirm_membership(

@@ -6,11 +6,12 @@ from typing import Any
 
 from sendonce.store.database import Conn
 from sendonce.store.queries import query
+from sendonce.store.subscribers import ConfirmUrl, enqueue_confirmations
 
 RESUBSCRIBE_WITHIN = 86400.0
 """Seconds after an unsubscribe during which the page's link may undo it ("I unsubscribed by
-mistake"). The link never expires and is in every forwarded copy of the mail: past this, it never
-subscribes anyone again."""
+mistake"). The link never expires and is in every forwarded copy of the mail: past this, it only asks
+the address to confirm (:func:`rejoin`)."""
 
 
 async def unsubscribe(conn: Conn, account_id: int, subscriber_id: int, campaign_id: int) -> list[int]:
@@ -33,6 +34,24 @@ async def resubscribe(conn: Conn, account_id: int, subscriber_id: int, campaign_
     return [
         int(r["list_id"]) for r in await (await conn.execute(query("resubscribe_campaign_lists"), params)).fetchall()
     ]
+
+
+async def rejoin(
+    conn: Conn, account_id: int, subscriber_id: int, campaign_id: int, confirm_url: ConfirmUrl
+) -> list[int]:
+    """For the campaign's lists left longer ago than :data:`RESUBSCRIBE_WITHIN`: pending again, and a
+    confirmation mail to the address (queued here, in the caller's transaction); returns those lists."""
+    params = {
+        "account_id": account_id,
+        "subscriber_id": subscriber_id,
+        "campaign_id": campaign_id,
+        "within_seconds": RESUBSCRIBE_WITHIN,
+    }
+    rows = await (await conn.execute(query("rejoin_campaign_lists"), params)).fetchall()
+    pending = [(int(r["list_id"]), int(r["subscriber_id"]), int(r["optin_round"])) for r in rows]
+    if pending:
+        await enqueue_confirmations(conn, account_id, pending, confirm_url)
+    return [p[0] for p in pending]
 
 
 async def state(conn: Conn, account_id: int, subscriber_id: int, campaign_id: int) -> list[dict[str, Any]]:

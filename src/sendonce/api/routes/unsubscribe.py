@@ -4,7 +4,8 @@
 no authentication, no redirect, idempotent, and the change is committed before the answer. The token
 is signed (HMAC under the server secret) and names the account, the subscriber and the campaign, so
 a forged one is refused without touching the database. It never expires, so it undoes an unsubscribe
-("resubscribe") only within a day of it: an old or forwarded mail subscribes no one again.
+("resubscribe") at once only within a day of it; after that it sends the address a confirmation
+mail: an old or forwarded mail subscribes no one by itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fastapi.responses import HTMLResponse
 
 from sendonce.api.deps import Db
 from sendonce.api.problems import Problem
+from sendonce.api.routes.subscribers import confirm_url_maker
 from sendonce.api.services import services_of
 from sendonce.delivery.compose import UNSUBSCRIBE_PURPOSE
 from sendonce.domain.keys import InvalidToken
@@ -89,12 +91,13 @@ async def page(token: Token, request: Request, conn: Db) -> HTMLResponse:
     rows = await _lists(conn, ids)
     names = ", ".join(r["list_name"] for r in rows)
     if all(r["status"] in (None, "unsubscribed") for r in rows):
-        undoable = any(r["undoable"] for r in rows)
-        return _page(
-            "You are unsubscribed",
-            f"You do not receive {names} from {rows[0]['account_name']}.",
-            _form(f"{token}/resubscribe", "Resubscribe me") if undoable else "",
-        )
+        if any(r["undoable"] for r in rows):
+            form = _form(f"{token}/resubscribe", "Resubscribe me")
+        elif any(r["status"] == "unsubscribed" for r in rows):
+            form = _form(f"{token}/resubscribe", "Send me a mail to subscribe again")
+        else:
+            form = ""
+        return _page("You are unsubscribed", f"You do not receive {names} from {rows[0]['account_name']}.", form)
     return _page(
         "Unsubscribe?",
         f"Stop receiving {names} from {rows[0]['account_name']}?",
@@ -104,17 +107,28 @@ async def page(token: Token, request: Request, conn: Db) -> HTMLResponse:
 
 @router.post("/u/{token}/resubscribe", response_class=HTMLResponse)
 async def resubscribe(token: Token, request: Request, conn: Db) -> HTMLResponse:
-    ids = _identity(request, token)
+    """Undo an unsubscribe of the last day; an older one is undone by a confirmation mail to the
+    address, which only its owner can use (the link is in every forwarded copy of the mail)."""
+    account_id, subscriber_id, campaign_id = ids = _identity(request, token)
     async with conn.transaction():
         rows = await _lists(conn, ids)
         joined = set(await unsubscribes.resubscribe(conn, *ids))
-    if not joined:
-        response = _page(
-            "Nothing to undo",
-            "This link undoes an unsubscribe only on the day it was made. To subscribe again, "
-            f"sign up with {rows[0]['account_name']} again.",
+        asked = set(
+            await unsubscribes.rejoin(
+                conn, account_id, subscriber_id, campaign_id, confirm_url_maker(request, account_id)
+            )
         )
-        response.status_code = 409
-        return response
-    names = ", ".join(r["list_name"] for r in rows if r["list_id"] in joined)
-    return _page("Welcome back", f"You are back on {names} of {rows[0]['account_name']}.")
+    account = rows[0]["account_name"]
+    if joined:
+        names = ", ".join(r["list_name"] for r in rows if r["list_id"] in joined)
+        return _page("Welcome back", f"You are back on {names} of {account}.")
+    if asked:
+        names = ", ".join(r["list_name"] for r in rows if r["list_id"] in asked)
+        return _page(
+            "Check your inbox",
+            f"We sent a mail to confirm that you want {names} from {account} again: "
+            "you are back once you press its button.",
+        )
+    if all(r["status"] == "confirmed" for r in rows):
+        return _page("Welcome back", f"You receive {', '.join(r['list_name'] for r in rows)} from {account}.")
+    return _page("Check your inbox", f"A mail to confirm your subscription to {account} is on its way or was sent.")

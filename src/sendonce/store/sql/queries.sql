@@ -92,8 +92,9 @@ RETURNING list_id, subscriber_id, status;
 -- mail sent or failed longer ago than the link's life), or it is gone (pruned). Each moves to its next
 -- round, by compare-and-set on the round read, and the caller queues that round's mail in the same
 -- transaction, under the round's job id: of requests that race, one moves it and one mail is queued
--- (upserts of one subscriber also wait for each other on its row, which they write first). A mail
--- still on its way, or one suppressed, is left alone.
+-- (upserts of one subscriber also wait for each other on its row, which they write first). Rounds stop
+-- at max_round: a sync that adds everyone again every week must not mail someone who never confirms
+-- every week for ever. A mail still on its way, or one suppressed, is left alone.
 WITH stale AS (
     SELECT DISTINCT m.list_id, m.subscriber_id, m.optin_round
       FROM unnest(%(list_ids)s::bigint[], %(subscriber_ids)s::bigint[]) AS u(list_id, subscriber_id)
@@ -103,14 +104,16 @@ WITH stale AS (
       LEFT JOIN sendonce.deliveries d
         ON d.account_id = m.account_id AND d.job_id = sendonce.optin_job_id(m.list_id, m.subscriber_id, m.optin_round)
      WHERE m.status = 'pending'
-       AND ((d.delivery_id IS NULL  -- pruned: judged by the membership's age
-             AND m.created_at < now() - make_interval(secs => %(link_life_seconds)s::double precision))
+       AND m.optin_round < %(max_round)s
+       AND ((d.delivery_id IS NULL  -- pruned: judged by the round's age
+             AND coalesce(m.round_started_at, m.created_at)
+                 < now() - make_interval(secs => %(link_life_seconds)s::double precision))
             OR (d.status = 'failed' AND NOT d.uncertain)
             OR (d.status IN ('sent', 'failed')
                 AND d.created_at < now() - make_interval(secs => %(link_life_seconds)s::double precision)))
 )
 UPDATE sendonce.list_members m
-   SET optin_round = s.optin_round + 1
+   SET optin_round = s.optin_round + 1, round_started_at = now()
   FROM stale s
  WHERE m.account_id = %(account_id)s AND m.list_id = s.list_id AND m.subscriber_id = s.subscriber_id
    AND m.status = 'pending' AND m.optin_round = s.optin_round
@@ -908,7 +911,7 @@ SELECT alert_id, kind, subject, detail, created_at
 -- answers, so a campaign still sending skips them from its next claimed batch on (the claim re-checks
 -- memberships). Idempotent: nothing is left to change the second time.
 UPDATE sendonce.list_members m
-   SET status = 'unsubscribed', updated_at = now()
+   SET status = 'unsubscribed', unsubscribed_at = now(), updated_at = now()
   FROM sendonce.campaign_lists cl
  WHERE cl.account_id = %(account_id)s AND cl.campaign_id = %(campaign_id)s
    AND m.account_id = cl.account_id AND m.list_id = cl.list_id AND m.subscriber_id = %(subscriber_id)s
@@ -917,22 +920,36 @@ RETURNING m.list_id;
 
 -- resubscribe_campaign_lists --
 -- Undo a recent unsubscribe from those lists (the person asked for it on the unsubscribe page). Only a
--- recent one: the link never expires and travels with every forwarded copy of the mail, so an old
--- unsubscribe is never undone by it (subscribing again goes through the account's own sign-up).
+-- recent one: the link never expires and travels with every forwarded copy of the mail, so an older
+-- unsubscribe is undone only through a confirmation mail to the address (rejoin_campaign_lists).
 UPDATE sendonce.list_members m
    SET status = 'confirmed', updated_at = now()
   FROM sendonce.campaign_lists cl
  WHERE cl.account_id = %(account_id)s AND cl.campaign_id = %(campaign_id)s
    AND m.account_id = cl.account_id AND m.list_id = cl.list_id AND m.subscriber_id = %(subscriber_id)s
    AND m.status = 'unsubscribed'
-   AND m.updated_at > now() - make_interval(secs => %(within_seconds)s)
+   AND m.unsubscribed_at > now() - make_interval(secs => %(within_seconds)s)
 RETURNING m.list_id;
+
+-- rejoin_campaign_lists --
+-- Ask to rejoin lists left longer ago than the undo allows: each such membership becomes pending, in
+-- its next double opt-in round, and the caller queues that round's confirmation mail in the same
+-- transaction. Only the address's owner can confirm it; a forwarded copy of an old mail can make a
+-- confirmation mail, never a subscription. Again: nothing left to change (pending, not unsubscribed).
+UPDATE sendonce.list_members m
+   SET status = 'pending', optin_round = m.optin_round + 1, round_started_at = now(), updated_at = now()
+  FROM sendonce.campaign_lists cl
+ WHERE cl.account_id = %(account_id)s AND cl.campaign_id = %(campaign_id)s
+   AND m.account_id = cl.account_id AND m.list_id = cl.list_id AND m.subscriber_id = %(subscriber_id)s
+   AND m.status = 'unsubscribed'
+   AND m.unsubscribed_at <= now() - make_interval(secs => %(within_seconds)s)
+RETURNING m.list_id, m.subscriber_id, m.optin_round;
 
 -- subscription_state --
 -- What the unsubscribe page shows: the account, the campaign's lists and this subscriber's membership
 -- (and whether an unsubscribe is recent enough to be undone from the page).
 SELECT a.name AS account_name, l.list_id, l.name AS list_name, m.status,
-       m.status = 'unsubscribed' AND m.updated_at > now() - make_interval(secs => %(within_seconds)s) AS undoable
+       m.status = 'unsubscribed' AND m.unsubscribed_at > now() - make_interval(secs => %(within_seconds)s) AS undoable
   FROM sendonce.campaign_lists cl
   JOIN sendonce.lists l ON l.account_id = cl.account_id AND l.list_id = cl.list_id
   JOIN sendonce.accounts a ON a.account_id = cl.account_id
