@@ -749,3 +749,61 @@ async def test_rows_behind_the_cursor_are_still_claimed(database_url: str) -> No
     claimed = [i for b in batches for i in b]
     assert len(claimed) == len(set(claimed)) == 24
     assert len(set(claimed) | {d.delivery_id for d in first[4:]}) == 30
+
+
+async def _outbox_reads(conn: Conn) -> tuple[int, int]:
+    """(sequential scans, tuples fetched by index) of the outbox in this session, not yet reported."""
+    cursor = await conn.execute(
+        "SELECT seq_scan, coalesce(idx_tup_fetch, 0) AS fetched FROM pg_stat_xact_user_tables"
+        " WHERE schemaname = 'sendonce' AND relname = 'deliveries'"
+    )
+    row = await cursor.fetchone()
+    assert row is not None
+    return int(row["seq_scan"]), int(row["fetched"])
+
+
+@pytest.mark.parametrize("stable", [True, False], ids=["worker session", "plain session"])
+async def test_the_pipeline_keeps_finding_rows_by_key_as_the_outbox_grows(database_url: str, stable: bool) -> None:
+    # PostgreSQL keeps a prepared statement's plan (psycopg prepares after a few runs; PL/pgSQL keeps
+    # claim_check's) for the session's life, made for the outbox's size at the time. Made on the
+    # small outbox of a campaign's first build chunk, the claim hashed its batch and read the whole
+    # outbox for every batch, and kept doing so as the list grew (the benchmark: 18 ms a claim at
+    # 100,000 recipients). A worker's session plans by index whatever the size (stable_plans); the
+    # plain session shows the hazard is real, so that this test cannot pass for another reason.
+    setup = await campaign_setup(database_url, emails(40))
+    await _start_and_build(database_url)
+    async with await connect(database_url, stable_plans=stable) as conn:
+        await conn.execute("ALTER TABLE sendonce.deliveries SET (autovacuum_enabled = false)")  # no re-plan
+        await conn.execute("SET plan_cache_mode = force_generic_plan")  # the plan PostgreSQL settles on
+        conn.prepare_threshold = 0  # prepared (and its plan kept) from the first run
+
+        async def one_of_each() -> tuple[int, int]:
+            async with conn.transaction(force_rollback=True):
+                scans_before, fetched_before = await _outbox_reads(conn)
+                batch = await outbox.claim_batch(
+                    conn, limit=10, lease_seconds=LEASE, worker="w", transport_idempotent=False
+                )
+                assert len(batch) == 10
+                fenced = [Fenced(d.account_id, d.delivery_id, d.attempt) for d in batch]
+                await outbox.renew_leases(conn, fenced, LEASE)
+                now = datetime.now(UTC)
+                await outbox.record_sent(
+                    conn, [SentRecord(f.account_id, f.delivery_id, f.attempt, None, now) for f in fenced[:5]]
+                )
+                assert await outbox.release_claims(conn, fenced[5:]) == 5
+                scans, fetched = await _outbox_reads(conn)
+                return scans - scans_before, fetched - fetched_before
+
+        await one_of_each()  # plans made now, on an outbox of 40 rows
+        await conn.execute(
+            "INSERT INTO sendonce.deliveries (account_id, job_id, kind, email, email_key, status)"
+            " SELECT %s, 'old:' || i, 'test', 'o' || i || '@example.test', 'o' || i || '@example.test', 'sent'"
+            "   FROM generate_series(1, 30000) i",
+            (setup.account_id,),
+        )
+        scans, fetched = await one_of_each()  # the kept plans, on an outbox of 30,040 rows
+    print(f"stable_plans={stable}: {scans} sequential scans, {fetched} tuples fetched by index")
+    if stable:
+        assert scans == 0 and fetched < 1000, (scans, fetched)
+    else:
+        assert scans > 0 or fetched > 30000, (scans, fetched)

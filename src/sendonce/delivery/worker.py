@@ -184,7 +184,7 @@ class _Lane:
     async def get(self) -> Conn:
         if self.conn is None or self.conn.closed or self.conn.broken:
             await self.reset()
-            conn = await connect(self.url)
+            conn = await connect(self.url, stable_plans=True)
             if self.setup:
                 await conn.execute(self.setup.encode())
             self.conn = conn

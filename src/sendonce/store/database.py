@@ -56,9 +56,25 @@ _SESSION_SETUP = (
 )
 
 
-async def configure_session(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Make ``conn`` a sendonce session: READ COMMITTED and UTC, whatever the server's defaults say."""
-    await conn.execute(_SESSION_SETUP)
+# The delivery pipeline's statements (claim, record, renew, release, requeue) join a batch of rows to
+# the outbox by its primary key. PostgreSQL keeps the plan of a prepared statement (psycopg prepares
+# a statement after its fifth run) and of a PL/pgSQL query (claim_check) for the life of the session,
+# and that plan was made for the size the outbox had then. Made while a fresh outbox held the first
+# thousand rows of a campaign's list, the claim hashed its batch and read the whole outbox for every
+# batch, and kept doing so as the list grew: 18 ms a claim and 888 msg/s at 100,000 recipients,
+# against 3,234 with the plan below (bench/out/steps/README.md). A worker's sessions therefore plan
+# without sequential scans, hash joins or merge joins wherever an index will do: a nested loop over
+# the batch and one index probe per row, whatever size the table had when the plan was made.
+_STABLE_PLANS = (
+    b", set_config('enable_seqscan', 'off', false), set_config('enable_hashjoin', 'off', false),"
+    b" set_config('enable_mergejoin', 'off', false)"
+)
+
+
+async def configure_session(conn: psycopg.AsyncConnection[Any], *, stable_plans: bool = False) -> None:
+    """Make ``conn`` a sendonce session: READ COMMITTED and UTC, whatever the server's defaults say;
+    with ``stable_plans``, planned by index whatever the tables' size (the worker's sessions)."""
+    await conn.execute(_SESSION_SETUP + _STABLE_PLANS if stable_plans else _SESSION_SETUP)
     if not conn.autocommit:
         await conn.commit()
 
@@ -80,10 +96,11 @@ def create_pool(
     )
 
 
-async def connect(url: str, *, autocommit: bool = True) -> Conn:
+async def connect(url: str, *, autocommit: bool = True, stable_plans: bool = False) -> Conn:
+    """A sendonce session (see :func:`configure_session`)."""
     conn = await psycopg.AsyncConnection.connect(url, autocommit=autocommit, row_factory=dict_row)
     try:
-        await configure_session(conn)
+        await configure_session(conn, stable_plans=stable_plans)
     except BaseException:
         await conn.close()
         raise
