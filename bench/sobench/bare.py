@@ -31,7 +31,7 @@ _POOL = 2000
 
 def pipelined_wire(messages: list[Prerendered]) -> list[tuple[bytes, bytes]]:
     """(MAIL + RCPT + DATA in one write, the dot-stuffed content) for each message."""
-    from sendonce.transports.smtp import wire_content
+    from sendonce.domain.message import wire_content
 
     return [
         (f"MAIL FROM:<{m.envelope_from}>\r\nRCPT TO:<{m.recipient}>\r\nDATA\r\n".encode(), wire_content(m.data))

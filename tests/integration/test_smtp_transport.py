@@ -17,10 +17,10 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from sendonce.domain.message import OutgoingMessage
+from sendonce.domain.message import OutgoingMessage, wire_content
 from sendonce.testing.inbox import Inbox, InboxFaults
 from sendonce.transports.base import Accepted, Permanent, Retry, Withheld
-from sendonce.transports.smtp import SmtpChannel, SmtpSettings, wire_content
+from sendonce.transports.smtp import SmtpChannel, SmtpSettings
 from tests.conftest import free_port
 from tests.helpers import self_signed_pem
 

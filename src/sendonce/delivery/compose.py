@@ -11,13 +11,14 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from email.utils import formatdate
 from html import escape
 from pathlib import Path
 from typing import Any
 
 from sendonce.delivery.render import CompiledTemplate, compile_template, inline_css
+from sendonce.delivery.skeleton import MessageHead, Skeleton
 from sendonce.domain.addresses import parse_address
 from sendonce.domain.dkim import DkimKey
 from sendonce.domain.jobs import JOB_ID_HEADER, message_id
@@ -117,6 +118,9 @@ class CampaignContent:
     boundary: str
     uses_unsubscribe_url: bool
     """The template shows the link itself; otherwise a footer with it is added."""
+    skeleton: Skeleton | None = None
+    """The campaign compiled into the bytes it sends, with holes for each recipient's values (None:
+    its templates or static parts need the general path for every message)."""
 
 
 def compile_campaign(
@@ -264,7 +268,7 @@ class Composer:
                 logger.error("campaign %s cannot be compiled: %s", campaign.campaign_id, exc)
                 continue
             envelope_from, _ = wire_address(campaign.from_email)
-            self._campaigns[key] = CampaignContent(
+            content = CampaignContent(
                 account_id=campaign.account_id,
                 campaign_id=campaign.campaign_id,
                 name=campaign.name,
@@ -279,6 +283,7 @@ class Composer:
                     "unsubscribe_url" in t.variables for t in (subject, text, html) if t is not None
                 ),
             )
+            self._campaigns[key] = replace(content, skeleton=_skeleton(content))
 
     def compose(self, delivery: ClaimedDelivery) -> OutgoingMessage:
         try:
@@ -311,34 +316,81 @@ class Composer:
             campaign_name=content.name,
             unsubscribe_url=unsubscribe_url,
         )
-        text = content.text.render(context)
-        html = content.html.render(context) if content.html is not None else None
-        if not content.uses_unsubscribe_url:
-            # Every campaign message shows how to unsubscribe, in both bodies.
-            text += _footer_text(unsubscribe_url)
-            if html is not None:
-                html = _footer_html(html, unsubscribe_url)
-        return OutgoingMessage(
+        dkim = self.sender(delivery.account_id).signing_key()
+        head = MessageHead(
             job_id=delivery.job_id,
-            envelope_from=content.envelope_from,
             recipient=recipient,
             smtputf8=smtputf8,
-            from_header=content.from_header,
             to_header=format_address(delivery.name, recipient),
-            subject=content.subject.render(context),
-            text=text,
-            html=html,
             message_id=message_id(delivery.job_id, content.domain),
             date=self._date.now(),
-            headers=[
-                (JOB_ID_HEADER, delivery.job_id),
-                # RFC 2369 and RFC 8058: a one-click unsubscribe that mailbox providers can show
-                ("List-Unsubscribe", self.links.list_unsubscribe(token, content.domain)),
-                ("List-Unsubscribe-Post", "List-Unsubscribe=One-Click"),
-                # lets the provider's complaint feedback loop attribute complaints to this campaign
-                ("Feedback-ID", f"{content.campaign_id}:{content.account_id}:campaign:sendonce"),
-            ],
-            boundary=content.boundary,
-            dkim=self.sender(delivery.account_id).signing_key(),
+            list_unsubscribe=self.links.list_unsubscribe(token, content.domain),
+            dkim=dkim,
             key_maybe_used=delivery.uncertain,
         )
+        if content.skeleton is not None and dkim is None and not smtputf8:
+            made = content.skeleton.render(context, head, unsubscribe_url)
+            if made is not None:
+                return campaign_message(content, head, *made)
+        text = content.text.render(context)
+        html = content.html.render(context) if content.html is not None else None
+        text, html = with_footers(content, text, html, unsubscribe_url)
+        return campaign_message(content, head, content.subject.render(context), text, html)
+
+
+def with_footers(
+    content: CampaignContent, text: str, html: str | None, url: str, html_url: str | None = None
+) -> tuple[str, str | None]:
+    """The bodies as sent: every campaign message shows how to unsubscribe, in both bodies (unless
+    the template shows the link itself). ``html_url``: the HTML part's link, if not ``url``."""
+    if content.uses_unsubscribe_url:
+        return text, html
+    return text + _footer_text(url), _footer_html(html, html_url or url) if html is not None else None
+
+
+def campaign_message(
+    content: CampaignContent,
+    head: MessageHead,
+    subject: str,
+    text: str,
+    html: str | None,
+    smtp_data: bytes | None = None,
+) -> OutgoingMessage:
+    """One campaign message from its head and its rendered subject and bodies (footers included)."""
+    return OutgoingMessage(
+        job_id=head.job_id,
+        envelope_from=content.envelope_from,
+        recipient=head.recipient,
+        smtputf8=head.smtputf8,
+        from_header=content.from_header,
+        to_header=head.to_header,
+        subject=subject,
+        text=text,
+        html=html,
+        message_id=head.message_id,
+        date=head.date,
+        headers=[
+            (JOB_ID_HEADER, head.job_id),
+            # RFC 2369 and RFC 8058: a one-click unsubscribe that mailbox providers can show
+            ("List-Unsubscribe", head.list_unsubscribe),
+            ("List-Unsubscribe-Post", "List-Unsubscribe=One-Click"),
+            # lets the provider's complaint feedback loop attribute complaints to this campaign
+            ("Feedback-ID", f"{content.campaign_id}:{content.account_id}:campaign:sendonce"),
+        ],
+        boundary=content.boundary,
+        dkim=head.dkim,
+        key_maybe_used=head.key_maybe_used,
+        smtp_data=smtp_data,
+    )
+
+
+def _skeleton(content: CampaignContent) -> Skeleton | None:
+    """The campaign's skeleton: the general path below, run once on placeholders."""
+    return Skeleton.of(
+        content.subject,
+        content.text,
+        content.html,
+        content.boundary,
+        footers=lambda text, html, url, html_url: with_footers(content, text, html, url, html_url),
+        make=lambda head, subject, text, html: campaign_message(content, head, subject, text, html),
+    )

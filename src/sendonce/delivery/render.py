@@ -90,6 +90,14 @@ class CompiledTemplate:
     _plan: Plan | None = None
     """The template is only text and plain variables: rendered without Jinja where the values allow."""
 
+    @property
+    def parts(self) -> tuple[_Part, ...] | None:
+        """The template as text and plain variables (a variable is its path, ``("subscriber", "id")``),
+        if it is only that (or static); None when only Jinja can render it."""
+        if self._static is not None:
+            return (self._static,)
+        return self._plan.parts if self._plan is not None else None
+
     def render(self, context: Mapping[str, Any]) -> str:
         if self._static is not None:
             return self._static
@@ -170,16 +178,11 @@ class Plan:
         out: list[str] = []
         size = 0
         for part in self.parts:
-            if type(part) is str:
+            if isinstance(part, str):
                 text = part
             else:
-                value = context.get(part[0], _MISSING)
-                for attribute in part[1:]:
-                    if type(value) is not dict or attribute not in value or hasattr(dict, attribute):
-                        return None
-                    value = value[attribute]
-                kind = type(value)
-                if kind is not str and kind is not int:
+                value = plain_value(context, part)
+                if value is None:
                     return None
                 text = str(escape(value)) if self.html else str(value)
             size += len(text)
@@ -188,6 +191,21 @@ class Plan:
 
 
 _MISSING = object()
+
+
+def plain_value(context: Mapping[str, Any], path: tuple[str, ...]) -> str | int | None:
+    """The value of a plain variable (``name``, ``subscriber.id``) as Jinja would find it, if it is a
+    ``str`` or an ``int`` reached through plain ``dict`` keys that are not also dict methods (the
+    sandbox looks for an attribute first); None otherwise (Jinja must render it, errors included)."""
+    value = context.get(path[0], _MISSING)
+    for attribute in path[1:]:
+        if type(value) is not dict or attribute not in value or hasattr(dict, attribute):
+            return None
+        value = value[attribute]
+    kind = type(value)
+    if kind is not str and kind is not int:
+        return None
+    return value  # type: ignore[no-any-return]
 
 
 def compile_template(

@@ -78,6 +78,24 @@ def format_address(name: str | None, address: str) -> str:
     return f"{formataddr((cleaned, 'x@x'), charset='utf-8')[: -len('<x@x>')]}<{address}>"
 
 
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def wire_content(data: bytes) -> bytes:
+    """A message as it follows SMTP DATA: CRLF line ends, leading dots doubled (RFC 5321 4.5.2), the
+    final dot."""
+    # no bare CR and no bare LF: as many CRLFs as LFs and as CRs
+    lines = data.count(b"\n")
+    if data.count(b"\r\n") != lines or data.count(b"\r") != lines:
+        data = _LINE_END.sub(b"\r\n", data)
+    if data.startswith(b"."):
+        data = b"." + data
+    data = data.replace(b"\r\n.", b"\r\n..")
+    if not data.endswith(b"\r\n"):
+        data += b"\r\n"
+    return data + b".\r\n"
+
+
 _MAX_LINE = 998
 """RFC 5322 2.1.1: a line is at most 998 characters, CRLF excluded."""
 
@@ -135,6 +153,13 @@ class OutgoingMessage:
     key_maybe_used: bool = True
     """An earlier attempt of this job may have reached the transport (the row is uncertain), so an
     idempotent provider may know its key already. False: no earlier request can have registered it."""
+    smtp_data: bytes | None = None
+    """What :meth:`smtp_content` returns, when the composer made it along with the rest (a campaign's
+    compiled skeleton: sendonce.delivery.skeleton); None: made from :meth:`as_bytes` when asked."""
+
+    def smtp_content(self) -> bytes:
+        """The message as it follows SMTP DATA: ``wire_content(self.as_bytes())``."""
+        return self.smtp_data if self.smtp_data is not None else wire_content(self.as_bytes())
 
     def header_block(self) -> str:
         lines = [

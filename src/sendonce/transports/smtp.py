@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from dataclasses import dataclass
 from typing import TypeGuard, cast
@@ -52,7 +51,6 @@ logger = logging.getLogger(__name__)
 # A connection idle longer than this is probed with RSET before it is trusted with a message.
 _IDLE_PROBE_SECONDS = 30.0
 _MAX_REPLY_BYTES = 64 * 1024
-_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,20 +82,6 @@ class SmtpTransport(Transport):
 def _describe(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"[:500]
-
-
-def wire_content(data: bytes) -> bytes:
-    """A message as it follows DATA: CRLF line ends, leading dots doubled (RFC 5321 4.5.2), final dot."""
-    # no bare CR and no bare LF: as many CRLFs as LFs and as CRs
-    lines = data.count(b"\n")
-    if data.count(b"\r\n") != lines or data.count(b"\r") != lines:
-        data = _LINE_END.sub(b"\r\n", data)
-    if data.startswith(b"."):
-        data = b"." + data
-    data = data.replace(b"\r\n.", b"\r\n..")
-    if not data.endswith(b"\r\n"):
-        data += b"\r\n"
-    return data + b".\r\n"
 
 
 def _can_take_over(transport: object) -> TypeGuard[asyncio.Transport]:
@@ -219,7 +203,7 @@ class SmtpChannel(Channel):
         self._dirty = False
         self._last_used = 0.0
         self._ahead: tuple[OutgoingMessage, bytes] | None = None
-        """The lane's next message, and its data, whose envelope went out behind the last content."""
+        """The lane's next message, and its content, whose envelope went out behind the last content."""
         self._transport: asyncio.Transport | None = None
         """The connection's transport, kept to abort it: aiosmtplib drops its own reference when it
         closes after a timeout, and its close still flushes what is buffered."""
@@ -286,7 +270,8 @@ class SmtpChannel(Channel):
         self._dirty = False
 
     def _options(self, message: OutgoingMessage, data: bytes) -> tuple[list[str], str] | Permanent:
-        """(MAIL FROM parameters, encoding of the envelope), or why this server cannot take the message."""
+        """(MAIL FROM parameters, encoding of the envelope), or why this server cannot take the message.
+        ``data``: the message, or its content as it follows DATA (ASCII or not alike)."""
         options: list[str] = []
         encoding = "ascii"
         if message.smtputf8:
@@ -301,9 +286,9 @@ class SmtpChannel(Channel):
             options.append("BODY=8BITMIME")
         return options, encoding
 
-    def _envelope(self, message: OutgoingMessage, data: bytes) -> bytes | Permanent:
+    def _envelope(self, message: OutgoingMessage, content: bytes) -> bytes | Permanent:
         """MAIL FROM, RCPT TO and DATA, as one pipelined write."""
-        options = self._options(message, data)
+        options = self._options(message, content)
         if isinstance(options, Permanent):
             return options
         mail_from, recipient = message.envelope_from, message.recipient
@@ -316,21 +301,21 @@ class SmtpChannel(Channel):
             return Permanent(f"mail: an address cannot be written in ASCII: {exc}"[:500])
 
     def _next_ahead(self, follow: Follow | None) -> tuple[OutgoingMessage, bytes, bytes] | None:
-        """The lane's next message, its data and its envelope, if it has one ready to go ahead."""
+        """The lane's next message, its content and its envelope, if it has one ready to go ahead."""
         if follow is None:
             return None
         try:
             message = follow()
             if message is None:
                 return None
-            data = message.as_bytes()
-            envelope = self._envelope(message, data)
+            content = message.smtp_content()
+            envelope = self._envelope(message, content)
         except Exception:  # the next message's own send will meet (and report) the same problem
             logger.debug("the next message cannot go ahead", exc_info=True)
             return None
         if isinstance(envelope, Permanent):
             return None
-        return message, data, envelope
+        return message, content, envelope
 
     async def send(
         self, message: OutgoingMessage, *, timeout: float, gate: Gate | None = None, follow: Follow | None = None
@@ -346,12 +331,13 @@ class SmtpChannel(Channel):
         phase = "connect"
         try:
             await self._connection(timeout)
-            data = message.as_bytes()
             if self._pipe is not None:
-                envelope = self._envelope(message, data)
+                content = message.smtp_content()
+                envelope = self._envelope(message, content)
                 if isinstance(envelope, Permanent):
                     return envelope
-                return await self._send_pipelined(self._pipe, message, data, envelope, timeout, gate, follow)
+                return await self._send_pipelined(self._pipe, message, content, envelope, timeout, gate, follow)
+            data = message.as_bytes()  # aiosmtplib frames it itself
             options = self._options(message, data)
             if isinstance(options, Permanent):
                 return options
@@ -428,13 +414,14 @@ class SmtpChannel(Channel):
         self,
         pipe: _Replies,
         message: OutgoingMessage,
-        data: bytes,
+        content: bytes,
         envelope: bytes | None,
         timeout: float,
         gate: Gate | None,
         follow: Follow | None,
     ) -> Outcome:
-        """``envelope`` None: it already went out, behind the previous message's content."""
+        """``content``: the message as it follows DATA; ``envelope`` None: it already went out, behind
+        the previous message's content."""
         phase = "mail"
         content_sent = False
         try:
@@ -466,7 +453,6 @@ class SmtpChannel(Channel):
             phase = "data"
             if not pipe.is_connected:  # lost while the gate held it: nothing of the content went out
                 raise pipe.lost
-            content = wire_content(data)
             content_sent = True
             if ahead is None:
                 pipe.write(content)
