@@ -17,7 +17,7 @@ from tests.helpers import composer
 _TEXTS = [
     "Hello {{ name }},\n\nYour address is {{ email }}.\nRead it online: https://x.test/?s={{ subscriber.id }}\n",
     "{{ name }}\n.{{ email }}\n{{ name }}",  # values that begin lines, a static dot at a line start, no end
-    "Hi {{ attributes.city }} {{ name }}  \n\tand {{ subscriber.attributes.city }}\r\nbye\r",
+    "Hi {{ attributes.city }} {{ name }}\n\t{{ subscriber.attributes.city }}\r\nbye\r",  # CR line ends, a tab
     "Unsubscribe: {{ unsubscribe_url }}\n{{ campaign.name }} {{ campaign.id }} 100% =_so_",
     "x" * 960 + "{{ name }}\n",  # a line that leaves little room
     "{{ name }}.{{ email }}\n{{ unsubscribe_url }}\n{{ attributes.city }}",  # a dot after a value; one at the end
@@ -105,7 +105,8 @@ def _outcome(made: Composer, delivery: ClaimedDelivery) -> Any:
 @example(_TEXTS[5], None, "News", "=_so_1", "ann", "Ann", "Paris ", 1)  # whitespace at the very end
 @example(_TEXTS[1], None, "News", "=_so_1", "ann", ".Ann", None, 1)  # a value beginning a line with a dot
 @example(_TEXTS[1], None, "News", "=_so_1", "ann", "Ann ", None, 1)  # whitespace before a line end
-@example(_TEXTS[2], _HTMLS[1], "News", "=_so_", "ann", "x=_so_y", None, 1)  # the boundary in a value
+@example(_TEXTS[0], _HTMLS[1], "News", "=_so_", "ann", "x=_so_y", None, 1)  # the boundary in a value
+@example(_TEXTS[2], None, "News", "=_so_1", "ann", "Ann", "", 1)  # a tab before a line end
 @example(_TEXTS[4], None, "News", "=_so_1", "ann", "a" * 39, None, 1)  # a line grown past 998
 def test_a_skeleton_writes_what_the_general_path_writes(
     text: str, html: str | None, subject: str, boundary: str, local: str, name: Any, city: Any, subscriber_id: int

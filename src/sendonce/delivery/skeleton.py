@@ -5,7 +5,7 @@ static text, with a few values per recipient (the name, the address, the unsubsc
 id). The composer's general path renders the templates, writes the MIME message and dot-stuffs it for
 SMTP for every recipient; measured in a worker, that was a quarter to a third of its time per message
 (bench/out/steps/README.md). A skeleton is that same general path, run once on placeholders and cut
-at them: per recipient only the values are computed and joined in, with ``%`` formatting.
+at them: per recipient only the values are computed and joined in.
 
 It writes only what the general path would write, byte for byte; a property test holds the two to
 it. That is the case when each body value is printable ASCII on one line (no line break, no tab),
@@ -76,22 +76,20 @@ class _BodyValue:
 
 
 class _Cut:
-    """A probe message cut at its placeholders: a ``%`` format, and the value each hole takes."""
+    """A probe cut at its placeholders: the pieces to join, its static text and each hole's value."""
 
-    def __init__(self, text: str, pattern: re.Pattern[str]) -> None:
+    def __init__(self, name: str, text: str, pattern: re.Pattern[str]) -> None:
         pieces = pattern.split(text)
-        self.keys = pieces[1::2]
-        self._static = text if not self.keys else None
-        self._format = "%s".join(piece.replace("%", "%%") for piece in pieces[0::2])
-        keys = self.keys
-        self._values: Callable[[Mapping[str, str]], tuple[str, ...]] = (
-            itemgetter(*keys) if len(keys) > 1 else lambda values: tuple(values[key] for key in keys)
+        self.keys: list[str] = pieces[1::2]
+        self.statics = {f"~{name}{index}": piece for index, piece in enumerate(pieces[0::2])}
+        order = [key for pair in zip(self.statics, [*self.keys, ""], strict=True) for key in pair if key]
+        self._pieces: Callable[[Mapping[str, str]], tuple[str, ...]] = (
+            itemgetter(*order) if len(order) > 1 else lambda values: (values[order[0]],)
         )
 
     def fill(self, values: Mapping[str, str]) -> str:
-        if self._static is not None:
-            return self._static
-        return self._format % self._values(values)
+        """The text with ``values`` in its holes (``values`` holds the static pieces too)."""
+        return "".join(self._pieces(values))
 
 
 class Skeleton:
@@ -114,9 +112,19 @@ class Skeleton:
             (path, f"t{index}", f"h{index}" if f"h{index}" in html_keys else None) for path, index in paths.items()
         )
         self._subject, self._text, self._html, self._wire = subject, text, html, wire
+        self._base = {
+            **subject.statics,
+            **text.statics,
+            **(html.statics if html is not None else {}),
+            **wire.statics,
+        }
         self._body_values = tuple(body_values.items())
-        self._boundary = boundary
         self._footers = footers
+        # Written with values, the content must hold these as often as it does with placeholders
+        # (more: a value made one): the boundary (the bodies would go quoted-printable), and
+        # whitespace before a line end (idem, or a header the general path writes so too).
+        probe = wire.fill(self._base | dict.fromkeys(wire.keys, "x"))
+        self._counted = tuple((needle, probe.count(needle)) for needle in (boundary, " \r\n", "\t\r\n"))
 
     @staticmethod
     def of(
@@ -181,10 +189,10 @@ class Skeleton:
                 return None
         return Skeleton(
             paths,
-            _Cut(subject_probe, pattern),
-            _Cut(text_probe, pattern),
-            _Cut(html_probe, pattern) if html_probe is not None else None,
-            _Cut(wire, pattern),
+            _Cut("s", subject_probe, pattern),
+            _Cut("t", text_probe, pattern),
+            _Cut("h", html_probe, pattern) if html_probe is not None else None,
+            _Cut("w", wire, pattern),
             body_values,
             boundary,
             footers=any(key in ("U", "UH") for key in pattern.findall(text_probe + (html_probe or ""))),
@@ -194,7 +202,7 @@ class Skeleton:
         self, context: Mapping[str, Any], head: MessageHead, unsubscribe_url: str
     ) -> tuple[str, str, str | None, bytes] | None:
         """(subject, text, html, SMTP content) for one recipient, or None: the general path must write it."""
-        values: dict[str, str] = {}
+        values = self._base.copy()
         for path, text_key, html_key in self._paths:
             value = plain_value(context, path)
             if value is None:
@@ -213,13 +221,6 @@ class Skeleton:
                 return None
             if not value and ((rule.line_start and rule.dot_after) or rule.at_end):
                 return None
-        text = self._text.fill(values)
-        html = self._html.fill(values) if self._html is not None else None
-        for body in (text, html):
-            if body is not None and (
-                self._boundary in body or " \n" in body or "\t\n" in body or body.endswith((" ", "\t"))
-            ):
-                return None  # the general path would write it quoted-printable
         subject = self._subject.fill(values)
         if len(subject) > MAX_OUTPUT:
             return None
@@ -227,9 +228,16 @@ class Skeleton:
         values["L"] = encode_header_value(head.list_unsubscribe, "List-Unsubscribe")
         values["J"] = encode_header_value(head.job_id, JOB_ID_HEADER)
         values["T"], values["M"], values["D"] = head.to_header, head.message_id, head.date
-        if any("\n" in values[key] for key in ("T", "M", "D")) or any("\n." in values[key] for key in "SLJ"):
-            return None  # a header line that would begin with a dot (never written so, but not assumed)
-        return subject, text, html, self._wire.fill(values).encode("utf-8")
+        for key in ("T", "M", "D", "S", "L", "J"):
+            if "\n" in values[key] and (key in "TMD" or "\n." in values[key]):
+                return None  # a header line that would begin with a dot (never written so, but not assumed)
+        wire = self._wire.fill(values)
+        for needle, count in self._counted:
+            if wire.count(needle) != count:
+                return None
+        text = self._text.fill(values)
+        html = self._html.fill(values) if self._html is not None else None
+        return subject, text, html, wire.encode("utf-8")
 
 
 def _analyse(body: str, pattern: re.Pattern[str], rules: dict[str, _BodyValue]) -> bool:

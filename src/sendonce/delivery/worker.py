@@ -250,6 +250,8 @@ class Worker:
         # an operation still failing fails again within a retry (5 s at most) or a renewal (lease / 3)
         self.outages = Outages(quiet=max(10.0, self.config.lease))
         """Database outages per operation: logged at their start, every minute and at their end."""
+        self._running_loop: asyncio.AbstractEventLoop | None = None
+        """The loop :meth:`run` runs on (asked once: in Python 3.11 each asking costs a system call)."""
         self._held: dict[Key, Held] = {}
         self._ready: asyncio.Queue[Held | None] = asyncio.Queue()
         self._results: list[_Result] = []
@@ -284,6 +286,10 @@ class Worker:
             faults.witness = self._witness
 
     @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self._running_loop or asyncio.get_running_loop()
+
+    @property
     def transport_outage_seconds(self) -> float:
         """How long the transport has been failing as a whole (0: it works, as far as this worker knows)."""
         since = self._outage_since  # read once: the metrics thread reads it while the loop writes it
@@ -307,6 +313,7 @@ class Worker:
         self._wake_lanes.set()
 
     async def run(self) -> WorkerStats:
+        self._running_loop = asyncio.get_running_loop()
         logger.info(
             "worker %s started (transport %s, concurrency %d, batch %d, lease %.0fs)",
             self.name,
@@ -586,7 +593,7 @@ class Worker:
         if self._stopping or held.release:
             self._push(_Result(held, None))
             return True
-        if asyncio.get_running_loop().time() >= held.lease_end - self.config.margin:
+        if self._loop.time() >= held.lease_end - self.config.margin:
             self._past_deadline(held)
             return True
         return False
@@ -715,8 +722,8 @@ class Worker:
     def _note_transport(self, outcome: Outcome) -> None:
         """A transport-wide failure starts (or, after its pause, lengthens) an outage; the transport
         answering about a message ends it."""
-        loop = asyncio.get_running_loop()
         if isinstance(outcome, Retry) and outcome.transport_wide:
+            loop = self._loop
             self.stats.transport_failures += 1
             if self._outage_since is None:
                 self._outage_since = time.monotonic()
@@ -832,7 +839,7 @@ class Worker:
                 sent.append(SentRecord(d.account_id, d.delivery_id, d.attempt, outcome.message_id, result.sent_at))
             elif isinstance(outcome, Retry) and outcome.transport_wide:
                 # not this message's failure: back to the queue, uncounted, until the outage's probe time
-                delay = max(self._outage_until - asyncio.get_running_loop().time(), 0.0)
+                delay = max(self._outage_until - self._loop.time(), 0.0)
                 retry.append(
                     RetryRecord(
                         d.account_id, d.delivery_id, d.attempt, delay, outcome.error, outcome.uncertain, counted=False

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import TypeGuard, cast
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 # A connection idle longer than this is probed with RSET before it is trusted with a message.
 _IDLE_PROBE_SECONDS = 30.0
 _MAX_REPLY_BYTES = 64 * 1024
+_NOT_IN_COMMAND = re.compile(r"[\r\n<>]")
+"""What an address in MAIL FROM:<...> or RCPT TO:<...> cannot hold."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +100,12 @@ class _Replies(asyncio.Protocol):
 
     def __init__(self, transport: asyncio.Transport) -> None:
         self.transport = transport
+        self._loop = asyncio.get_running_loop()
         self._buffer = bytearray()
         self._waiter: asyncio.Future[None] | None = None
         self._lost: Exception | None = None
+        self._expired = False
+        """The current wait for replies ran out of time."""
 
     @property
     def is_connected(self) -> bool:
@@ -164,22 +170,32 @@ class _Replies(asyncio.Protocol):
             got.append(response)
         if len(got) == count:
             return got
+        # A timer that wakes the wait rather than asyncio.timeout(), which cancels and un-cancels
+        # the task: this runs for every message, and a cancellation would have to be told apart
+        # from the worker's own.
+        self._expired = False
+        timer = self._loop.call_later(timeout, self._expire)
         try:
-            async with asyncio.timeout(timeout):
-                while len(got) < count:
-                    got.append(await self._reply())
-                return got
-        except TimeoutError:
-            raise aiosmtplib.SMTPReadTimeoutError(f"no reply from the server within {timeout:g}s") from None
+            while len(got) < count:
+                got.append(await self._reply(timeout))
+            return got
+        finally:
+            timer.cancel()
 
-    async def _reply(self) -> SMTPResponse:
+    def _expire(self) -> None:
+        self._expired = True
+        self._wake()
+
+    async def _reply(self, timeout: float) -> SMTPResponse:
         while True:
             response = self._parse()
             if response is not None:
                 return response
             if self._lost is not None:
                 raise self._lost
-            self._waiter = asyncio.get_running_loop().create_future()
+            if self._expired:
+                raise aiosmtplib.SMTPReadTimeoutError(f"no reply from the server within {timeout:g}s")
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -292,7 +308,7 @@ class SmtpChannel(Channel):
         if isinstance(options, Permanent):
             return options
         mail_from, recipient = message.envelope_from, message.recipient
-        if any(c in address for address in (mail_from, recipient) for c in "\r\n<>"):
+        if _NOT_IN_COMMAND.search(mail_from) or _NOT_IN_COMMAND.search(recipient):
             return Permanent(f"an address cannot go in an SMTP command: {mail_from!r} / {recipient!r}")
         extra = "".join(" " + option for option in options[0])
         try:
