@@ -59,3 +59,14 @@ def test_queries_only_use_named_parameters() -> None:
     for name, statement in QUERIES.items():
         assert "%s" not in statement, name
         assert not re.search(r"\{[A-Za-z_][A-Za-z0-9_]*\}", statement), f"{name}: looks like string formatting"
+
+
+def test_the_claim_answers_with_the_fields_of_a_claimed_delivery_in_order() -> None:
+    # claim_batch builds each ClaimedDelivery from its row by position (no dict per row).
+    import dataclasses
+
+    from sendonce.store.outbox import ClaimedDelivery
+
+    last_select = QUERIES["claim_batch"].rsplit("SELECT", 1)[1].split("FROM", 1)[0]
+    columns = [column.strip() for column in last_select.split(",")]
+    assert columns == [field.name for field in dataclasses.fields(ClaimedDelivery)]

@@ -169,8 +169,8 @@ class _Result:
     outcome: Outcome | None
     """None: release the row (never started)."""
     sent_at: datetime = field(default_factory=lambda: datetime.now(UTC))
-    recorded: asyncio.Event | None = None
-    """Set once the outcome is durable; a lane of a non-idempotent transport waits for it."""
+    recorded: asyncio.Future[None] | None = None
+    """Done once the outcome is durable; a lane of a non-idempotent transport waits for it."""
 
 
 class _Lane:
@@ -224,6 +224,12 @@ async def _abandon(task: asyncio.Future[Any]) -> None:
         await asyncio.wait({task}, timeout=0.05)
     if task.done() and not task.cancelled():
         task.exception()  # retrieved: it is an outage we report as a timeout, not a crash
+
+
+def _settle(recorded: asyncio.Future[None] | None) -> None:
+    """Let the lane that waits for this outcome go on (it may have stopped waiting: cancelled)."""
+    if recorded is not None and not recorded.done():
+        recorded.set_result(None)
 
 
 def default_worker_name() -> str:
@@ -377,8 +383,7 @@ class Worker:
         the claim saw them uncertain). The lanes that wait for one of them are let go: stopping, their
         gates send nothing more, and the worker ends instead of hanging with its leases renewed."""
         for result in self._results:
-            if result.recorded is not None:
-                result.recorded.set()
+            _settle(result.recorded)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -621,7 +626,7 @@ class Worker:
         # accepted message is unrecorded, so at any instant each connection has at most one such
         # message. It may prepare the next one meanwhile (MAIL FROM, RCPT TO, DATA up to its 354): those
         # deliver nothing.
-        unrecorded: asyncio.Event | None = None
+        unrecorded: asyncio.Future[None] | None = None
         # the lane's next row, taken while its previous message waited to go out (its envelope may
         # have gone out with that message's content)
         following: tuple[Held, OutgoingMessage] | None = None
@@ -676,9 +681,9 @@ class Worker:
             self.faults.hit("before_send")
             held.started = True
 
-            async def gate(held: Held = held, previous: asyncio.Event | None = unrecorded) -> float | None:
+            async def gate(held: Held = held, previous: asyncio.Future[None] | None = unrecorded) -> float | None:
                 if previous is not None:
-                    await previous.wait()
+                    await previous
                 # Re-checked at the last moment: never send after the claim's deadline, a lost lease,
                 # a pause, or a graceful stop (what has not gone out yet is given back).
                 left = held.lease_end - loop.time()
@@ -704,7 +709,7 @@ class Worker:
                 self._push(_Result(held, outcome))
                 continue
             # accepted, or lost in the middle of DATA: the next DATA waits until this is recorded
-            result = _Result(held, outcome, recorded=asyncio.Event())
+            result = _Result(held, outcome, recorded=loop.create_future())
             self._push(result)
             unrecorded = result.recorded
 
@@ -803,15 +808,13 @@ class Worker:
                         # lease expires, then are re-sent (and, over SMTP, written to the ledger).
                         logger.error("stopping with %d outcomes unrecorded: database unavailable", len(self._results))
                         for result in self._results:
-                            if result.recorded is not None:
-                                result.recorded.set()
+                            _settle(result.recorded)
                         self._results.clear()
                         return
                     await asyncio.sleep(min(0.2 * 2**failures, 5.0))
                     continue
                 for result in results:
-                    if result.recorded is not None:
-                        result.recorded.set()
+                    _settle(result.recorded)
                 failures = 0
                 if not self._held:
                     # Everything this worker held is recorded: an idle claimer looks again now (a
@@ -879,15 +882,25 @@ class Worker:
 
         self.stats.released += released
         recorded = recorded_sent | recorded_retry | recorded_failed
+        debug = logger.isEnabledFor(logging.DEBUG)  # asked once a group: most outcomes log at debug level
         for result in results:
             self._forget(result.held)
             d = result.held.delivery
             key = d.key
-            extra = {"job_id": d.job_id, "attempt": d.attempt}
             outcome = result.outcome
             if outcome is None:
-                logger.debug("%s released", d.job_id, extra={"action": "released", **extra})
+                if debug:
+                    extra = {"action": "released", "job_id": d.job_id, "attempt": d.attempt}
+                    logger.debug("%s released", d.job_id, extra=extra)
                 continue
+            if key in recorded_sent and d.attempt == latest[key]:
+                self.stats.sent += 1
+                if debug:
+                    logger.debug(
+                        "%s sent", d.job_id, extra={"action": "sent", "job_id": d.job_id, "attempt": d.attempt}
+                    )
+                continue
+            extra = {"job_id": d.job_id, "attempt": d.attempt}
             if key not in recorded or d.attempt != latest[key]:
                 self.stats.fenced_out += 1
                 logger.warning(
@@ -896,9 +909,6 @@ class Worker:
                     d.attempt,
                     extra={"action": "fenced_out", **extra},
                 )
-            elif key in recorded_sent:
-                self.stats.sent += 1
-                logger.debug("%s sent", d.job_id, extra={"action": "sent", **extra})
             elif key in recorded_retry:
                 self.stats.retried += 1
                 logger.info(

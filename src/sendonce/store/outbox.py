@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
+from psycopg.rows import tuple_row
+
 from sendonce.store.database import Conn
 from sendonce.store.queries import query
 
@@ -146,7 +148,8 @@ async def claim_batch(
     :class:`~sendonce.transports.base.Capabilities`); a re-send of a row uncertain for longer than
     that, less :data:`KEY_LIFE_MARGIN`, is written to the ledger."""
     positions = sorted((after or {}).items())
-    result = await conn.execute(
+    result = conn.cursor(row_factory=tuple_row)  # its columns are ClaimedDelivery's fields, in order
+    await result.execute(
         query("claim_batch"),
         {
             "limit": limit,
@@ -160,7 +163,7 @@ async def claim_batch(
             "after_deliveries": [position[1] for _, position in positions],
         },
     )
-    batch = [ClaimedDelivery(**row) for row in await result.fetchall()]
+    batch = [ClaimedDelivery(*row) for row in await result.fetchall()]
     if after is not None:
         advance(after, batch)
     return batch

@@ -478,6 +478,7 @@ WITH transactional AS (
        AND (NOT %(transport_idempotent)s
             OR uncertain_since < now() - make_interval(secs => %(key_life_seconds)s::float8))
 )
+-- the columns of ClaimedDelivery, in the order of its fields
 SELECT account_id, delivery_id, job_id, kind, campaign_id, subscriber_id, email, payload, attempt,
        failures, blocked, uncertain, name, attributes, not_before
   FROM claimed
