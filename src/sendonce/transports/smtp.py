@@ -143,6 +143,11 @@ class _Replies(asyncio.Protocol):
     def _parse(self) -> SMTPResponse | None:
         """One complete reply from the buffer (RFC 5321 4.2: ``250-...`` lines, then ``250 ...``)."""
         buffer = self._buffer
+        end = buffer.find(b"\n")
+        if end > 3 and buffer[3] == 0x20 and buffer[:3].isdigit():  # "250 ...": one line, the usual reply
+            line = bytes(buffer[:end]).rstrip(b"\r")
+            del buffer[: end + 1]
+            return SMTPResponse(int(line[:3]), line[4:].decode("utf-8", "surrogateescape"))
         start = 0
         lines: list[bytes] = []
         while True:
