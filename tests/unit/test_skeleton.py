@@ -165,3 +165,23 @@ def test_values_a_skeleton_cannot_take_go_through_the_general_path(name: str, wh
     made = fast.compose(delivery)
     assert made.smtp_data is None, why
     assert made.smtp_content() == wire_content(general.compose(delivery).as_bytes())
+
+
+def test_a_skeleton_that_fails_leaves_every_message_to_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # It only ever makes sending cheaper: a skeleton that cannot be made, or that raises for one
+    # recipient, must not stop the worker or fail the message.
+    from sendonce.delivery.skeleton import Skeleton
+
+    content = _campaign(_TEXTS[0], _HTMLS[1], _SUBJECTS[0], "=_so_0123456789abcdef01234567")
+    assert content.skeleton is not None
+    fast, general = _composers(content)
+    delivery = _delivery("ann@example.test", "Ann", None, 1)
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in the shortcut")
+
+    monkeypatch.setattr(Skeleton, "render", fails)
+    made = fast.compose(delivery)
+    assert made.smtp_data is None and made.smtp_content() == general.compose(delivery).smtp_content()
+    monkeypatch.setattr(Skeleton, "of", staticmethod(fails))
+    assert _campaign(_TEXTS[0], None, "News", "=_so_1").skeleton is None

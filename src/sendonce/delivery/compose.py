@@ -329,7 +329,11 @@ class Composer:
             key_maybe_used=delivery.uncertain,
         )
         if content.skeleton is not None and dkim is None and not smtputf8:
-            made = content.skeleton.render(context, head, unsubscribe_url)
+            try:
+                made = content.skeleton.render(context, head, unsubscribe_url)
+            except Exception:  # a shortcut that fails must not fail the message: the general path writes it
+                logger.exception("%s: the campaign's skeleton failed; the general path writes it", delivery.job_id)
+                made = None
             if made is not None:
                 return campaign_message(content, head, *made)
         text = content.text.render(context)
@@ -385,12 +389,17 @@ def campaign_message(
 
 
 def _skeleton(content: CampaignContent) -> Skeleton | None:
-    """The campaign's skeleton: the general path below, run once on placeholders."""
-    return Skeleton.of(
-        content.subject,
-        content.text,
-        content.html,
-        content.boundary,
-        footers=lambda text, html, url, html_url: with_footers(content, text, html, url, html_url),
-        make=lambda head, subject, text, html: campaign_message(content, head, subject, text, html),
-    )
+    """The campaign's skeleton: the general path below, run once on placeholders. It only ever makes
+    sending cheaper: if it cannot be made, whatever the reason, every message takes the general path."""
+    try:
+        return Skeleton.of(
+            content.subject,
+            content.text,
+            content.html,
+            content.boundary,
+            footers=lambda text, html, url, html_url: with_footers(content, text, html, url, html_url),
+            make=lambda head, subject, text, html: campaign_message(content, head, subject, text, html),
+        )
+    except Exception:
+        logger.exception("campaign %s: no skeleton; its messages take the general path", content.campaign_id)
+        return None
