@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sendonce.delivery.metrics import WorkerCollector
-from sendonce.delivery.worker import Held, Worker, WorkerConfig, _Result
+from sendonce.delivery.worker import Held, Worker, WorkerConfig, _Lane, _Result
 from sendonce.outbox import enqueue_async
 from sendonce.store import campaigns, outbox
 from sendonce.store.database import connect
@@ -751,3 +751,20 @@ async def test_a_read_only_database_is_retried_until_it_takes_writes_and_the_out
         server.server_close()
         admin.execute(sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database))
         admin.close()
+
+
+async def test_a_workers_database_sessions_plan_by_index(database_url: str) -> None:
+    # Every lane of a worker (claimer, recorders, housekeeper, builder) is a session whose cached plans
+    # must not depend on the outbox's size when they were made (see
+    # test_the_pipeline_keeps_finding_rows_by_key_as_the_outbox_grows): a lane opened without
+    # stable_plans would plan as any session does.
+    lane = _Lane(database_url)
+    try:
+        conn = await lane.get()
+        cursor = await conn.execute(
+            "SELECT current_setting('enable_seqscan') AS seq, current_setting('enable_hashjoin') AS hash,"
+            " current_setting('enable_mergejoin') AS merge"
+        )
+        assert await cursor.fetchone() == {"seq": "off", "hash": "off", "merge": "off"}
+    finally:
+        await lane.reset()
