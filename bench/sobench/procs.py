@@ -63,9 +63,10 @@ class Children:
         ``sig=None``: it was signalled already; only wait (a second SIGTERM could land after the
         child's graceful handler is gone and kill it mid-exit).
         """
-        if proc.poll() is None and sig is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
+        if proc.poll() is None:
+            if sig is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
