@@ -212,6 +212,33 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad else 0
 
 
+def _time_table(settings: list[tuple[int, int]], so: dict[tuple[int, int], RunResult]) -> list[str]:
+    """Where the connections' time went, from the workers' own counters (their final WorkerStats)."""
+    lines = [
+        "### Where the connections' time went (the workers' own counters)",
+        "",
+        "Summed over the K workers. *Waiting for a record*: the time the K × C connections held a "
+        "message's content until their previous accepted message was recorded (sendonce's rule over SMTP), "
+        "as a share of K × C × (approval → sent). *Lane waits*: times a connection found no claimed row.",
+        "",
+        "| workers × conc. | claims | ms per claim | record groups | outcomes per group | ms per group "
+        "| connections' time waiting for a record | lane waits |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for key in settings:
+        r = so.get(key)
+        t = r.extra.get("timings") if r is not None else None
+        if r is None or not t or not t["claims"] or not t["record_groups"]:
+            continue
+        share = t["record_wait_seconds"] / (r.workers * r.concurrency * r.seconds)
+        lines.append(
+            f"| {key[0]} × {key[1]} | {t['claims']:,.0f} | {1000 * t['claim_seconds'] / t['claims']:.2f} "
+            f"| {t['record_groups']:,.0f} | {r.recipients / t['record_groups']:.1f} "
+            f"| {1000 * t['record_seconds'] / t['record_groups']:.2f} | {100 * share:.0f}% | {t['lane_waits']:,.0f} |"
+        )
+    return [*lines, ""]
+
+
 def _by(results: list[RunResult], kind: str) -> dict[tuple[int, int], RunResult]:
     return {(r.workers, r.concurrency): r for r in results if r.kind == kind}
 
@@ -375,6 +402,7 @@ def render(
                 f"| {', '.join(f'{k} {v:,}' for k, v in sorted(e['counts'].items()))} |"
             )
         lines += ["", f"Setup (schema, {args.recipients:,} subscribers by bulk SQL): {setup_seconds:.1f}s.", ""]
+        lines += _time_table(settings, so)
         widest = max(so.values(), key=lambda r: (r.workers * r.concurrency, r.rate))
         if widest.extra["statements"]:
             lines += [

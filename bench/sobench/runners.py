@@ -470,6 +470,8 @@ async def _approve(url: str, account_id: int, campaign_id: int) -> None:
 
 
 _FINAL = re.compile(r"final: WorkerStats\((.*)\)")
+_TIMINGS = ("claims", "claim_seconds", "record_groups", "record_seconds", "record_wait_seconds", "lane_waits")
+"""The workers' own counters of where their time goes (summed over the K processes)."""
 
 
 def run_sendonce(
@@ -561,11 +563,14 @@ def run_sendonce(
         problems.append(f"worker exit codes {exit_codes}")
     issues = _collect_logs(logs)
     worker_sent = 0
+    timings = dict.fromkeys(_TIMINGS, 0.0)
     for log in logs:
         match = _FINAL.search(log.read_text(errors="replace")) if log.exists() else None
         if match:
             fields = dict(part.split("=") for part in match.group(1).split(", "))
             worker_sent += int(fields.get("sent", 0))
+            for name in _TIMINGS:
+                timings[name] += float(fields.get(name, 0))
     extra = {
         "build_s": (built - started).total_seconds() if built and started else None,
         "approval_to_built_s": (built - approved).total_seconds() if built and approved else None,
@@ -579,6 +584,7 @@ def run_sendonce(
         "statements": statements,
         "counts": counts,
         "worker_sent": worker_sent,
+        "timings": timings,
         "log_issues": issues,
         "other_cores": other,
     }

@@ -377,6 +377,37 @@ async def test_a_relay_that_is_down_holds_the_mail_and_is_probed_not_hammered(da
     assert (counts.sent, counts.failed) == (40, 0)
 
 
+@pytest.mark.parametrize("transport", ["smtp", "resend"])
+async def test_the_metrics_say_where_a_workers_time_goes(database_url: str, transport: str) -> None:
+    # Claims, grouped records, and the time the connections held a message back for the previous
+    # one's record: over SMTP every message after a connection's first waits for one; through an
+    # idempotent provider none does (there is no such rule to keep).
+    await campaign_setup(database_url, emails(12))
+    config = WorkerConfig(concurrency=2, batch_size=4, drain=True, **FAST)
+    with Inbox() as inbox, ResendServer() as provider:
+        url = inbox.url if transport == "smtp" else provider.url
+        worker = Worker(database_url, transport_from_url(url), config, composer=composer())
+        registry = CollectorRegistry()
+        registry.register(WorkerCollector(worker))
+        stats = await asyncio.wait_for(worker.run(), 60)
+    assert stats.sent == 12
+
+    def metric(name: str) -> float:
+        value = registry.get_sample_value(f"sendonce_worker_{name}")
+        assert value is not None, name
+        return value
+
+    assert metric("claims_total") >= 3  # 12 rows, 4 a claim
+    assert metric("claim_seconds_total") > 0
+    assert 1 <= metric("record_groups_total") <= 12
+    assert metric("record_seconds_total") > 0
+    assert metric("lane_waits_total") >= 1  # the connections start before the first claim has answered
+    if transport == "smtp":
+        assert metric("record_wait_seconds_total") > 0
+    else:
+        assert metric("record_wait_seconds_total") == 0
+
+
 async def _paused_by_a_rate_limit(database_url: str, provider: ResendServer, backoff: float) -> tuple[Worker, Any]:
     """A worker (one lane) whose first request met a 429: its lane is pausing, holding a row."""
     config = WorkerConfig(concurrency=1, batch_size=5, tick=0.2, lease=5.0, backoff_base=backoff, backoff_cap=backoff)

@@ -7,6 +7,13 @@ failing for a minute: a database down, or left read-only after a failover) and o
 re-claimed the row: leases too short for the sends, or a worker cut off from the database), and on
 ``sendonce_worker_transport_outage_seconds > 300`` (the relay or the provider has refused every try
 for five minutes: the mail waits, nothing fails, but nothing goes out).
+
+Where a worker's time goes, as counters of seconds to take the rate of: over SMTP,
+``rate(sendonce_worker_record_wait_seconds_total) / concurrency`` is the share of the connections'
+time spent waiting for their previous message's record (the database, not the relay, is then what
+bounds the rate); ``rate(..._record_seconds_total) / rate(..._record_groups_total)`` is the time of
+one grouped record, and likewise for claims; ``sendonce_worker_lane_waits_total`` rising fast says
+the connections run out of claimed rows.
 """
 
 from __future__ import annotations
@@ -75,6 +82,31 @@ class WorkerCollector(Collector):
             "Failures of the transport itself (unreachable, login or API key refused, 421, 429, 502-504): "
             "not counted against the messages, which wait",
             value=worker.stats.transport_failures,
+        )
+        yield CounterMetricFamily(
+            "sendonce_worker_claims", "Claims answered (with rows or without)", value=stats.claims
+        )
+        yield CounterMetricFamily(
+            "sendonce_worker_claim_seconds",
+            "Time spent claiming, from the start of each claim to its rows queued for the connections",
+            value=stats.claim_seconds,
+        )
+        yield CounterMetricFamily(
+            "sendonce_worker_record_groups", "Grouped records written (one commit each)", value=stats.record_groups
+        )
+        yield CounterMetricFamily(
+            "sendonce_worker_record_seconds", "Time spent writing grouped records", value=stats.record_seconds
+        )
+        yield CounterMetricFamily(
+            "sendonce_worker_record_wait_seconds",
+            "Time the connections held a message back until their previous accepted message was recorded "
+            "(non-idempotent transports: at most one unrecorded message per connection)",
+            value=stats.record_wait_seconds,
+        )
+        yield CounterMetricFamily(
+            "sendonce_worker_lane_waits",
+            "Times a connection found no claimed row to send and waited for one",
+            value=stats.lane_waits,
         )
         yield GaugeMetricFamily(
             "sendonce_worker_transport_outage_seconds",
