@@ -32,6 +32,29 @@ if TYPE_CHECKING:
 
 OUTCOMES = ("sent", "retried", "failed", "suppressed", "released", "deferred")
 
+_STATS_COUNTERS = (
+    ("claimed", "Rows claimed"),
+    ("fenced_out", "Outcomes refused because another worker had re-claimed the row (zombie completions stopped)"),
+    ("lost_leases", "Rows dropped because their lease was lost"),
+    ("dropped_past_deadline", "Rows given back unsent because too little of their lease was left to start a send"),
+    (
+        "transport_failures",
+        "Failures of the transport itself (unreachable, login or API key refused, 421, 429, 502-504): "
+        "not counted against the messages, which wait",
+    ),
+    ("claims", "Claims answered (with rows or without)"),
+    ("claim_seconds", "Time spent claiming, from the start of each claim to its rows queued for the connections"),
+    ("record_groups", "Grouped records written (one commit each)"),
+    ("record_seconds", "Time spent writing grouped records"),
+    (
+        "record_wait_seconds",
+        "Time the connections held a message back until their previous accepted message was recorded "
+        "(non-idempotent transports: at most one unrecorded message per connection)",
+    ),
+    ("lane_waits", "Times a connection found no claimed row to send and waited for one"),
+)
+"""Counters read from :class:`~sendonce.delivery.worker.WorkerStats`, each named after its field."""
+
 
 class WorkerCollector(Collector):
     def __init__(self, worker: Worker) -> None:
@@ -43,26 +66,14 @@ class WorkerCollector(Collector):
         info = InfoMetricFamily("sendonce_worker", "This worker process")
         info.add_metric([], {"name": worker.name, "transport": worker.transport.capabilities.name})
         yield info
-        yield CounterMetricFamily("sendonce_worker_claimed", "Rows claimed", value=stats.claimed)
+        for field, text in _STATS_COUNTERS:
+            yield CounterMetricFamily(f"sendonce_worker_{field}", text, value=getattr(stats, field))
         outcomes = CounterMetricFamily(
             "sendonce_worker_outcomes", "Outcomes recorded (released: given back unsent)", labels=["outcome"]
         )
         for outcome in OUTCOMES:
             outcomes.add_metric([outcome], getattr(stats, outcome))
         yield outcomes
-        yield CounterMetricFamily(
-            "sendonce_worker_fenced_out",
-            "Outcomes refused because another worker had re-claimed the row (zombie completions stopped)",
-            value=stats.fenced_out,
-        )
-        yield CounterMetricFamily(
-            "sendonce_worker_lost_leases", "Rows dropped because their lease was lost", value=stats.lost_leases
-        )
-        yield CounterMetricFamily(
-            "sendonce_worker_dropped_past_deadline",
-            "Rows given back unsent because too little of their lease was left to start a send",
-            value=stats.dropped_past_deadline,
-        )
         yield GaugeMetricFamily("sendonce_worker_held", "Rows this worker holds now", value=worker.held_count)
         yield CounterMetricFamily(
             "sendonce_worker_database_failures",
@@ -77,37 +88,6 @@ class WorkerCollector(Collector):
         for operation, seconds in sorted(worker.outages.seconds().items()):
             outage.add_metric([operation], seconds)
         yield outage
-        yield CounterMetricFamily(
-            "sendonce_worker_transport_failures",
-            "Failures of the transport itself (unreachable, login or API key refused, 421, 429, 502-504): "
-            "not counted against the messages, which wait",
-            value=worker.stats.transport_failures,
-        )
-        yield CounterMetricFamily(
-            "sendonce_worker_claims", "Claims answered (with rows or without)", value=stats.claims
-        )
-        yield CounterMetricFamily(
-            "sendonce_worker_claim_seconds",
-            "Time spent claiming, from the start of each claim to its rows queued for the connections",
-            value=stats.claim_seconds,
-        )
-        yield CounterMetricFamily(
-            "sendonce_worker_record_groups", "Grouped records written (one commit each)", value=stats.record_groups
-        )
-        yield CounterMetricFamily(
-            "sendonce_worker_record_seconds", "Time spent writing grouped records", value=stats.record_seconds
-        )
-        yield CounterMetricFamily(
-            "sendonce_worker_record_wait_seconds",
-            "Time the connections held a message back until their previous accepted message was recorded "
-            "(non-idempotent transports: at most one unrecorded message per connection)",
-            value=stats.record_wait_seconds,
-        )
-        yield CounterMetricFamily(
-            "sendonce_worker_lane_waits",
-            "Times a connection found no claimed row to send and waited for one",
-            value=stats.lane_waits,
-        )
         yield GaugeMetricFamily(
             "sendonce_worker_transport_outage_seconds",
             "How long the transport has been failing as a whole, the lanes pausing (0: it works)",
