@@ -526,12 +526,11 @@ class Worker:
                     await asyncio.sleep(min(0.2 * 2**failures, 5.0))
                     continue
                 failures = 0
-                if not isinstance(batch, float):
-                    self.stats.claims += 1
-                    self.stats.claim_seconds += loop.time() - started
                 if isinstance(batch, float):  # rate-limited: wait for the next token
                     await self._sleep(self._wake, min(batch, config.tick))
                     continue
+                self.stats.claims += 1
+                self.stats.claim_seconds += loop.time() - started
                 if batch:
                     self.faults.hit("after_claim")
                     continue
