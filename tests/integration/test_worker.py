@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -799,3 +800,55 @@ async def test_a_workers_database_sessions_plan_by_index(database_url: str) -> N
         assert await cursor.fetchone() == {"seq": "off", "hash": "off", "merge": "off"}
     finally:
         await lane.reset()
+
+
+async def test_the_recorder_plans_its_statement_once_not_for_every_group(database_url: str) -> None:
+    # PostgreSQL planned record_sent afresh for every group (a custom plan fits the arrays given, so
+    # the generic one never looked cheaper). The recorder's session keeps one plan. Without
+    # plan_cache_mode = force_generic_plan there, every prepared run is a custom plan.
+    await campaign_setup(database_url, emails(12))
+    claimed: list[outbox.ClaimedDelivery] = []
+    async with await connect(database_url) as conn:
+        await outbox.start_due_campaigns(conn)
+        while isinstance(await outbox.build_next_chunk(conn, 100), outbox.BuildProgress):
+            pass
+        while batch := await outbox.claim_batch(
+            conn, limit=5, lease_seconds=30.0, worker="w", transport_idempotent=False
+        ):
+            claimed.extend(batch)
+    assert len(claimed) == 12
+    worker = Worker(database_url, transport_from_url("smtp://127.0.0.1:9"), WorkerConfig(**FAST), composer=composer())
+    lane = worker._recorder_lane()
+    try:
+        conn = await lane.get()
+        now = datetime.now(UTC)
+        for row in claimed:  # one group each: psycopg prepares a statement at its sixth run
+            record = outbox.SentRecord(row.account_id, row.delivery_id, row.attempt, "250 2.0.0 Ok", now)
+            assert await outbox.record_sent(conn, [record]) == {row.key}
+        cursor = await conn.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+            " WHERE statement LIKE '%transport_message_id = u.message_id%'"
+        )
+        plans = await cursor.fetchall()
+    finally:
+        await lane.reset()
+    assert len(plans) == 1 and plans[0]["custom_plans"] == 0 and plans[0]["generic_plans"] > 0, plans
+
+
+@pytest.mark.parametrize("durable", [True, False])
+async def test_fast_records_change_only_the_recorders_commit(database_url: str, durable: bool) -> None:
+    # --fast-records: the recorder's commits return before the disk flush; by default they wait for it.
+    config = WorkerConfig(**FAST, durable_records=durable)
+    worker = Worker(database_url, transport_from_url("smtp://127.0.0.1:9"), config, composer=composer())
+    lane = worker._recorder_lane()
+    try:
+        cursor = await (await lane.get()).execute(
+            "SELECT name, setting, source FROM pg_settings WHERE name IN ('synchronous_commit', 'plan_cache_mode')"
+        )
+        settings = {row["name"]: (row["setting"], row["source"]) for row in await cursor.fetchall()}
+    finally:
+        await lane.reset()
+    assert settings["plan_cache_mode"] == ("force_generic_plan", "session")
+    # durable: whatever the server says (the test server's own default may be off)
+    assert (settings["synchronous_commit"][1] == "session") is not durable
+    assert durable or settings["synchronous_commit"][0] == "off"
