@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -16,7 +15,7 @@ from sendonce.delivery.metrics import WorkerCollector
 from sendonce.delivery.worker import Held, Worker, WorkerConfig, _Lane, _Result
 from sendonce.outbox import enqueue_async
 from sendonce.store import campaigns, outbox
-from sendonce.store.database import connect
+from sendonce.store.database import Conn, connect
 from sendonce.testing.inbox import Inbox, InboxFaults
 from sendonce.testing.resend_server import ResendFaults, ResendServer
 from sendonce.testing.tcp_proxy import TcpProxy
@@ -805,34 +804,32 @@ async def test_a_workers_database_sessions_plan_by_index(database_url: str) -> N
 async def test_the_recorder_plans_its_statement_once_not_for_every_group(database_url: str) -> None:
     # PostgreSQL planned record_sent afresh for every group (a custom plan fits the arrays given, so
     # the generic one never looked cheaper). The recorder's session keeps one plan. Without
-    # plan_cache_mode = force_generic_plan there, every prepared run is a custom plan.
+    # plan_cache_mode = force_generic_plan there, every prepared run here was a custom plan.
+    seen: list[list[dict[str, Any]]] = []  # the statement's plan counts after each group
+
+    class Peeking(Worker):
+        async def _record(self, conn: Conn, results: list[_Result]) -> bool:
+            recorded = await super()._record(conn, results)
+            cursor = await conn.execute(
+                "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+                " WHERE statement LIKE '%transport_message_id = u.message_id%'"
+                " AND statement NOT LIKE '%pg_prepared_statements%'"  # this query, prepared too
+            )
+            seen.append(await cursor.fetchall())
+            return recorded
+
     await campaign_setup(database_url, emails(12))
-    claimed: list[outbox.ClaimedDelivery] = []
-    async with await connect(database_url) as conn:
-        await outbox.start_due_campaigns(conn)
-        while isinstance(await outbox.build_next_chunk(conn, 100), outbox.BuildProgress):
-            pass
-        while batch := await outbox.claim_batch(
-            conn, limit=5, lease_seconds=30.0, worker="w", transport_idempotent=False
-        ):
-            claimed.extend(batch)
-    assert len(claimed) == 12
-    worker = Worker(database_url, transport_from_url("smtp://127.0.0.1:9"), WorkerConfig(**FAST), composer=composer())
-    lane = worker._recorder_lane()
-    try:
-        conn = await lane.get()
-        now = datetime.now(UTC)
-        for row in claimed:  # one group each: psycopg prepares a statement at its sixth run
-            record = outbox.SentRecord(row.account_id, row.delivery_id, row.attempt, "250 2.0.0 Ok", now)
-            assert await outbox.record_sent(conn, [record]) == {row.key}
-        cursor = await conn.execute(
-            "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
-            " WHERE statement LIKE '%transport_message_id = u.message_id%'"
+    with Inbox() as inbox:
+        # one connection, one recorder: over SMTP each message waits for the record of the one
+        # before it, so every message is a group of its own (psycopg prepares at the sixth run)
+        config = WorkerConfig(concurrency=1, recorders=1, drain=True, **FAST)
+        stats = await asyncio.wait_for(
+            Peeking(database_url, transport_from_url(inbox.url), config, composer=composer()).run(), 60
         )
-        plans = await cursor.fetchall()
-    finally:
-        await lane.reset()
-    assert len(plans) == 1 and plans[0]["custom_plans"] == 0 and plans[0]["generic_plans"] > 0, plans
+        assert sum(inbox.by_recipient().values()) == 12
+    assert stats.record_groups >= 7
+    (plans,) = seen[-1]
+    assert plans["custom_plans"] == 0 and plans["generic_plans"] > 0, plans
 
 
 @pytest.mark.parametrize("durable", [True, False])
