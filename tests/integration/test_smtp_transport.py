@@ -198,17 +198,25 @@ async def test_a_gate_that_withholds_delivers_nothing_and_the_channel_recovers(p
     assert [m.job_id for m in inbox.messages] == ["job-0", "job-2"]
 
 
-async def test_a_connection_lost_while_the_gate_holds_the_message_is_a_certain_retry() -> None:
+@MODES
+async def test_a_connection_lost_while_the_gate_holds_the_message_is_a_certain_retry(pipelining: bool) -> None:
     # Nothing of the content went out: the re-send is not a possible duplicate.
-    inbox = Inbox().start()
-    channel = _channel(inbox)
+    inbox = Inbox(pipelining=pipelining).start()
+    channel = _channel(inbox, pipelining=pipelining)
+
+    def connected() -> bool:
+        if pipelining:
+            return channel._pipe is not None and channel._pipe.is_connected
+        return channel._smtp is not None and channel._smtp.is_connected
 
     async def server_goes_away() -> float | None:
+        assert connected()
         inbox.stop()
         for _ in range(200):  # until this side has seen the connection end
-            if channel._pipe is None or not channel._pipe.is_connected:
+            if not connected():
                 break
             await asyncio.sleep(0.01)
+        assert not connected()
         return 5.0
 
     try:

@@ -376,6 +376,8 @@ class SmtpChannel(Channel):
                     self._dirty = True  # RSET before the next message
                     return Withheld("withheld before DATA")
                 timeout = max(min(timeout, left, self.settings.timeout), 0.1)
+                if not smtp.is_connected:  # lost while the gate held it: nothing of the content went out
+                    raise aiosmtplib.SMTPServerDisconnected("the connection was lost before DATA")
             phase = "data"
             try:
                 # aiosmtplib's timeout is per reply (the 354, then the final one): the whole exchange
