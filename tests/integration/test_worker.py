@@ -16,6 +16,7 @@ from sendonce.delivery.worker import Held, Worker, WorkerConfig, _Lane, _Result
 from sendonce.outbox import enqueue_async
 from sendonce.store import campaigns, outbox
 from sendonce.store.database import Conn, connect
+from sendonce.store.rate_limits import Rate
 from sendonce.testing.inbox import Inbox, InboxFaults
 from sendonce.testing.resend_server import ResendFaults, ResendServer
 from sendonce.testing.tcp_proxy import TcpProxy
@@ -849,3 +850,35 @@ async def test_fast_records_change_only_the_recorders_commit(database_url: str, 
     # durable: whatever the server says (the test server's own default may be off)
     assert (settings["synchronous_commit"][1] == "session") is not durable
     assert durable or settings["synchronous_commit"][0] == "off"
+
+
+async def test_rows_claimed_before_the_connection_was_lost_are_given_back_not_left_to_their_lease(
+    database_url: str,
+) -> None:
+    # The claim committed, then the claimer's connection died in the statements that follow it (here
+    # the per-domain rate). Its rows are given back at once: left to their lease they would come back
+    # as doubtful, and over SMTP each one's re-send would be written to the ledger as a possible
+    # duplicate, though nothing had been sent.
+    cut: list[int] = []
+
+    class Cut(Worker):
+        async def _domain_gate(self, conn: Conn, batch: list[Any]) -> list[Any]:
+            if batch and not cut:
+                cut.append(len(batch))
+                async with await connect(database_url) as other:  # and wait until it is gone
+                    await other.execute("SELECT pg_terminate_backend(%s, 10000)", [conn.info.backend_pid])
+            return await super()._domain_gate(conn, batch)
+
+    setup = await campaign_setup(database_url, emails(8))
+    with Inbox() as inbox:
+        config = WorkerConfig(drain=True, domain_rates={"example.test": Rate(1000, 1)}, **FAST)
+        stats = await asyncio.wait_for(
+            Cut(database_url, transport_from_url(inbox.url), config, composer=composer()).run(), 60
+        )
+        assert inbox.by_recipient() == Counter(dict.fromkeys(emails(8), 1))
+    assert cut and stats.released == cut[0]
+    async with await connect(database_url) as conn:
+        ledger = await campaigns.list_possible_duplicates(conn, setup.account_id)
+        cursor = await conn.execute("SELECT count(*) AS n FROM sendonce.deliveries WHERE uncertain")
+        doubtful = await cursor.fetchone()
+    assert ledger == [] and doubtful == {"n": 0}

@@ -503,19 +503,25 @@ class Worker:
                     )
                     if self._cursor_resets != resets:  # reset during this claim: it stays reset
                         self._cursor.clear()
-                    if rate is not None:
-                        await rate_limits.refund(conn, self.transport.rate_bucket, rate, limit - len(batch))
-                    if config.domain_rates:
-                        claimed = len(batch)
-                        batch = await self._domain_gate(conn, batch)
-                        if rate is not None:  # the transport did not carry the rows put back
-                            await rate_limits.refund(conn, self.transport.rate_bucket, rate, claimed - len(batch))
+                    claimed = batch
                     try:
+                        if rate is not None:
+                            await rate_limits.refund(conn, self.transport.rate_bucket, rate, limit - len(batch))
+                        if config.domain_rates:
+                            batch = await self._domain_gate(conn, batch)
+                            if rate is not None:  # the transport did not carry the rows put back
+                                await rate_limits.refund(
+                                    conn, self.transport.rate_bucket, rate, len(claimed) - len(batch)
+                                )
                         if batch:
                             await self.composer.prepare(conn, batch)
                     except BaseException:
-                        # Claimed but cannot be composed now: hold them only to give them back.
-                        self._take(batch, started + config.lease, claimed_at, release=True)
+                        # The claim committed, but what follows it failed (the connection lost, a
+                        # timeout, a message that cannot be composed now): hold the rows only to give
+                        # them back at once, rather than leave them to their lease, which would bring
+                        # them back as doubtful. All of them: a row the domain gate deferred already
+                        # is no longer 'sending', and its release (fenced) changes nothing.
+                        self._take(claimed, started + config.lease, claimed_at, release=True)
                         raise
                     self._take(batch, started + config.lease, claimed_at)
                     return batch
