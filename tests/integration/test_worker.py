@@ -882,3 +882,15 @@ async def test_rows_claimed_before_the_connection_was_lost_are_given_back_not_le
         cursor = await conn.execute("SELECT count(*) AS n FROM sendonce.deliveries WHERE uncertain")
         doubtful = await cursor.fetchone()
     assert ledger == [] and doubtful == {"n": 0}
+
+
+async def test_a_lane_whose_setup_fails_leaves_no_connection_open(database_url: str) -> None:
+    lane = _Lane(database_url, setup="SET plan_cache_mode = 'no such mode' /* lane-setup-probe */")
+    with pytest.raises(Exception, match="plan_cache_mode"):
+        await lane.get()
+    async with await connect(database_url) as conn:
+        cursor = await conn.execute(
+            "SELECT count(*) AS n FROM pg_stat_activity"
+            " WHERE query LIKE '%%lane-setup-probe */' AND pid <> pg_backend_pid()"
+        )
+        assert await cursor.fetchone() == {"n": 0}

@@ -201,7 +201,12 @@ class _Lane:
             await self.reset()
             conn = await connect(self.url, stable_plans=True)
             if self.setup:
-                await conn.execute(self.setup.encode())
+                try:
+                    await conn.execute(self.setup.encode())
+                except BaseException:  # a connection that never became the lane's: not left open
+                    with contextlib.suppress(Exception):
+                        await conn.close()
+                    raise
             self.conn = conn
         return self.conn
 
