@@ -524,9 +524,10 @@ class Worker:
                         # The claim committed, but what follows it failed (the connection lost, a
                         # timeout, a message that cannot be composed now): hold the rows only to give
                         # them back at once, rather than leave them to their lease, which would bring
-                        # them back as doubtful. All of them: a row the domain gate deferred already
-                        # is no longer 'sending', and its release (fenced) changes nothing.
-                        self._take(claimed, started + config.lease, claimed_at, release=True)
+                        # them back as doubtful. Not those the domain gate deferred, once it returned;
+                        # if it failed instead, a deferral it may have committed is no longer
+                        # 'sending', and the release (fenced) leaves that row as it is.
+                        self._take(batch, started + config.lease, claimed_at, release=True)
                         raise
                     self._take(batch, started + config.lease, claimed_at)
                     return batch
