@@ -879,9 +879,7 @@ async def test_rows_claimed_before_the_connection_was_lost_are_given_back_not_le
     assert cut and stats.released == cut[0]
     async with await connect(database_url) as conn:
         ledger = await campaigns.list_possible_duplicates(conn, setup.account_id)
-        cursor = await conn.execute("SELECT count(*) AS n FROM sendonce.deliveries WHERE uncertain")
-        doubtful = await cursor.fetchone()
-    assert ledger == [] and doubtful == {"n": 0}
+    assert ledger == []  # left to their lease, every row of that claim would be here
 
 
 async def test_a_lane_whose_setup_fails_leaves_no_connection_open(database_url: str) -> None:
