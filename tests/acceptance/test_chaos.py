@@ -103,9 +103,19 @@ def test_database_restart(where: list[str], tmp_path: Path) -> None:
     # an outage longer than the lease, then an in-place restart
     code, [result] = chaos(where, tmp_path, "--scenario", "restart", "--restarts", "2")
     if result["skipped"]:
+        assert code == 3, "a scenario that did not run is not a pass"
         pytest.skip(result["skipped"])
     assert code == 0 and result["verdict"] == "pass", explain(result)
     assert result["restarts"] == 2 and result["lost"] == 0
+
+
+def test_a_scenario_that_could_not_run_is_not_a_pass(tmp_path: Path) -> None:
+    # An external server that may not be restarted: the scenario is skipped before anything starts
+    # (nothing listens at this address; nothing connects to it). Exit 0 would read as "tested, held".
+    where = ["--database-url", "postgresql://127.0.0.1:9/nowhere", "--home", str(tmp_path / "home")]
+    code, [result] = chaos(where, tmp_path, "--scenario", "restart")
+    assert result["verdict"] == "skipped" and "--allow-pg-restart" in result["skipped"]
+    assert code == 3
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,24 @@ def view(**overrides: Any) -> DatabaseView:
         "outcomes_audited": 3,
     }
     base["counts"]["possible_duplicate"] = len(overrides.get("ledger", set()))
-    base["ledger_attempts"] = Counter(overrides.get("ledger", set()))  # one re-sent attempt per job
+    # One re-sent attempt per job unless told, its ledger row written at 2.5: after the first copies
+    # arrive (``arrivals`` numbers them 0, 1, 2...), before any re-sent copy that follows them.
+    times = overrides.pop("ledger_times", None) or {job: [2.5] for job in overrides.get("ledger", set())}
+    base["ledger_times"] = times
+    base["ledger_attempts"] = Counter({job: len(at) for job, at in times.items()})
     return DatabaseView(**{**base, **overrides})
 
 
-def verdict(got: list[Arrival], *, idempotent: bool = False, bound: int = 4, **kw: Any) -> Verdict:
-    expect = Expectation(7, set(PEOPLE), duplicate_bound=bound)
+def verdict(
+    got: list[Arrival],
+    *,
+    idempotent: bool = False,
+    bound: int = 4,
+    explained: Counter[str] | None = None,
+    unpinned: int = 0,
+    **kw: Any,
+) -> Verdict:
+    expect = Expectation(7, set(PEOPLE), duplicate_bound=bound, explained=explained, unpinned=unpinned)
     return judge(got, expect, kw.pop("db", view()), idempotent=idempotent, zombies=kw.pop("zombies", []))
 
 
@@ -77,8 +89,47 @@ def test_each_extra_smtp_copy_needs_a_ledger_row_of_its_own() -> None:
     short = verdict(thrice, db=once)
     assert (short.recorded, short.unrecorded) == (1, 1)
     assert "SMTP: every duplicate is in the possible_duplicate ledger" in broken(short)
-    twice = view(ledger={"campaign:7:1"}, api_ledger={"campaign:7:1"}, ledger_attempts=Counter({"campaign:7:1": 2}))
+    twice = view(ledger={"campaign:7:1"}, api_ledger={"campaign:7:1"}, ledger_times={"campaign:7:1": [2.5, 3.5]})
     assert broken(verdict(thrice, db=twice)) == []
+
+
+def test_a_ledger_row_covers_only_a_copy_that_arrived_after_it_was_written() -> None:
+    # copies of campaign:7:1 at 0 and 3. A re-send's ledger row is written by the claim that re-sends
+    # it: after the copy before it arrived, before the re-sent one does.
+    twice = arrivals(*EVERYONE, EVERYONE[0])
+    ledger = {"ledger": {"campaign:7:1"}, "api_ledger": {"campaign:7:1"}}
+    assert broken(verdict(twice, db=view(**ledger, ledger_times={"campaign:7:1": [1.0]}))) == []
+    for written in (-1.0, 3.5):  # before the first copy; after the re-sent one
+        v = verdict(twice, db=view(**ledger, ledger_times={"campaign:7:1": [written]}))
+        assert (v.recorded, v.unrecorded) == (0, 1), written
+        assert "SMTP: every duplicate is in the possible_duplicate ledger" in broken(v)
+
+
+def test_two_ledger_rows_before_one_re_send_cover_it_and_no_later_one() -> None:
+    # copies at 0, 3 and 4; both rows written before the second copy (an attempt that sent nothing,
+    # then the one that re-sent): the third copy is silent, though the job has two ledger rows
+    thrice = arrivals(*EVERYONE, EVERYONE[0], EVERYONE[0])
+    db = view(ledger={"campaign:7:1"}, api_ledger={"campaign:7:1"}, ledger_times={"campaign:7:1": [1.0, 2.0]})
+    v = verdict(thrice, db=db)
+    assert (v.recorded, v.unrecorded) == (1, 1)
+    assert "SMTP: every duplicate is in the possible_duplicate ledger" in broken(v)
+
+
+def test_a_smtp_duplicate_must_follow_a_fault_on_its_own_job() -> None:
+    twice = arrivals(*EVERYONE, EVERYONE[0])
+    db = view(ledger={"campaign:7:1"}, api_ledger={"campaign:7:1"})
+    name = "SMTP: every duplicate follows a fault that hit its own job"
+    # in flight at a kill of its holder (or any fault on that job): explained
+    assert broken(verdict(twice, db=db, explained=Counter({"campaign:7:1": 1}))) == []
+    # within the total bound, in the ledger, but nothing happened to this job: flagged
+    assert broken(verdict(twice, db=db, explained=Counter({"campaign:7:2": 1}))) == [name]
+    assert broken(verdict(twice, db=db, explained=Counter())) == [name]
+    # unless a fault that cannot be pinned to a job (a kill whose victim's rows are unknown) may explain it
+    assert broken(verdict(twice, db=db, explained=Counter(), unpinned=1)) == []
+    # one fault explains one copy, not two
+    thrice = arrivals(*EVERYONE, EVERYONE[0], EVERYONE[0])
+    db2 = view(ledger={"campaign:7:1"}, api_ledger={"campaign:7:1"}, ledger_times={"campaign:7:1": [2.5, 3.5]})
+    assert broken(verdict(thrice, db=db2, explained=Counter({"campaign:7:1": 1}))) == [name]
 
 
 def test_an_idempotent_transport_allows_no_duplicate_at_all() -> None:

@@ -28,7 +28,7 @@ from sendonce.chaos.harness import Context, Options, Result
 from sendonce.chaos.scenarios import FIXED_TRANSPORT, SCENARIOS, TRANSPORTS
 from sendonce.faults import Faults
 
-EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_SKIPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m sendonce.chaos",
         description="Fault-injection runs against real parts: PostgreSQL, sendonce worker and api processes, "
-        "a real SMTP inbox and a Resend-compatible API. Exit code 1 if any invariant breaks.",
+        "a real SMTP inbox and a Resend-compatible API. Exit code 1 if any invariant breaks, "
+        "3 if a scenario asked for could not run here.",
         epilog="Full run: python -m sendonce.chaos --scenario kills --recipients 50000 --kills 200",
     )
     add = p.add_argument
@@ -125,6 +126,7 @@ def _terminate_gracefully() -> Iterator[None]:
 
 def run(argv: list[str]) -> int:
     """Run the selected scenarios; 0 when every invariant held, 1 when one broke, 2 on a usage error,
+    3 when none broke but a scenario asked for could not run here (a restart the server does not allow),
     130 when interrupted (SIGINT or SIGTERM: every process the run started is stopped first)."""
     try:
         args = _parser().parse_args(argv)
@@ -187,6 +189,15 @@ def run(argv: list[str]) -> int:
     if broken:
         console.print(f"[red bold]✘ {len(broken)} scenario(s) broke an invariant[/red bold] (seed {seed})")
         return EXIT_BROKEN
+    skipped = [r for r in results if r.skipped is not None]
+    if skipped:
+        # Not a pass: what was asked for was not tested.
+        ran = len(results) - len(skipped)
+        console.print(
+            f"[yellow bold]✘ {len(skipped)} scenario(s) did not run[/yellow bold] "
+            f"({', '.join(r.scenario for r in skipped)}); every invariant held in the {ran} that did (seed {seed})"
+        )
+        return EXIT_SKIPPED
     console.print(f"[green bold]✔ every invariant held[/green bold] (seed {seed})")
     return EXIT_OK
 

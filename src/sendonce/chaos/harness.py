@@ -23,6 +23,7 @@ import logging
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,6 +172,9 @@ class Harness:
         self.expect: Expectation | None = None
         self.faults_injected: dict[str, int] = {}
         self.partitions = 0
+        self.held_at_partitions: list[list[str]] = []
+        """Per partition: the job ids the isolated worker held at the cut (whatever it had sent of
+        them it could not record)."""
         self.opt_outs_planned = 0
         """Opt-outs of rows held unclaimed that the scenario planned (each may find no row left)."""
         self.held_at_kills: list[tuple[float, list[tuple[str, float]] | None]] = []
@@ -394,6 +398,11 @@ class Harness:
         return [(str(job), float(at)) for job, at in rows]
 
     def in_flight_at_kills(self, *, hook: bool = False) -> list[int | None]:
+        """Per external kill (``hook``: per death by the fault hook): how many messages were in
+        flight (see :meth:`in_flight_jobs_at_kills`); None if unknown."""
+        return [None if jobs is None else len(jobs) for jobs in self.in_flight_jobs_at_kills(hook=hook)]
+
+    def in_flight_jobs_at_kills(self, *, hook: bool = False) -> list[list[str] | None]:
         """Per external kill (``hook``: per death by the fault hook): the rows its victim held whose
         message the inbox received after the victim claimed them and by the kill (up to a moment
         later: what it wrote before it died may still be on its way); None if unknown. Nobody else
@@ -410,9 +419,9 @@ class Harness:
         return [
             None
             if kill is None or kill[1] is None
-            else sum(
-                1 for job, claimed in kill[1] if any(claimed <= at <= kill[0] + settle for at in arrived.get(job, ()))
-            )
+            else [
+                job for job, claimed in kill[1] if any(claimed <= at <= kill[0] + settle for at in arrived.get(job, []))
+            ]
             for kill in kills
         ]
 
@@ -475,6 +484,7 @@ class Harness:
     def verdict(self, *, duplicate_bound: int) -> Verdict:
         assert self.setup is not None and self.expect is not None and self.api is not None
         self.expect.duplicate_bound = duplicate_bound
+        self.expect.explained, self.expect.unpinned = explained_copies(self)
         if self.signups is not None:
             self.expect.signups = self.signups.acknowledged()
             refused = self.signups.refused()
@@ -602,6 +612,34 @@ class Harness:
         return text.count("outcome refused"), worker_stats(text)
 
 
+def explained_copies(h: Harness) -> tuple[Counter[str], int]:
+    """SMTP, job by job: how many re-sent copies of each job the faults injected can explain; and how
+    many copies of any job the faults that cannot be pinned to jobs can (a kill whose victim's holdings
+    are not known: one per connection; a database restart: one per connection of every worker).
+
+    A copy is explained by a fault that hit that very job: it was in flight (sent, not recorded) at a
+    kill of its holder, it was held by the isolated worker at a partition's cut, or the inbox left
+    its sender unable to know that it had arrived (a drop after DATA, a slow or garbled answer). A
+    re-send of any other job is one the guarantee does not allow, whatever the total."""
+    fleet = h.procs
+    c = h.worker_options.concurrency
+    explained: Counter[str] = Counter()
+    unpinned = 0
+    for hook in (False, True):
+        for jobs in h.in_flight_jobs_at_kills(hook=hook):
+            if jobs is None:
+                unpinned += c
+            else:
+                explained.update(jobs)
+    unpinned += c * (fleet.external_kills - len(h.held_at_kills))
+    unpinned += c * (fleet.hook_kills["worker"] + fleet.hook_kills["isolated"] - len(fleet.held_at_hook_kills))
+    for held in h.held_at_partitions:
+        explained.update(held)
+    unpinned += c * h.options.workers * h.result.restarts
+    explained.update(h.sink.ambiguous())
+    return explained, unpinned
+
+
 def in_flight_bound(h: Harness, *, extra: int = 0) -> int:
     """SMTP: copies the injected faults can explain; each is at most one message per connection."""
     fleet = h.procs
@@ -619,7 +657,7 @@ def in_flight_bound(h: Harness, *, extra: int = 0) -> int:
         + c * h.partitions
         + c * h.options.workers * h.result.restarts
         + sink["dropped_after_data"]
-        + sink["slow"]
+        + sink["slow"]  # past the client's timeout (a delay it waits out is "late": no re-send)
         + sink["garbled_reply"]
         + extra
     )

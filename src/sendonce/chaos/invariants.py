@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import psycopg
@@ -39,6 +40,11 @@ class Expectation:
     """Addresses whose signup was acknowledged: exactly one verification mail each."""
     duplicate_bound: int = 0
     """SMTP: most copies the faults can explain (messages in flight at kills, dropped answers, ...)."""
+    explained: Counter[str] | None = None
+    """SMTP, per job id: re-sent copies that faults which hit that job can explain (see
+    :func:`sendonce.chaos.harness.explained_copies`); None: not checked job by job."""
+    unpinned: int = 0
+    """SMTP: copies of any job that faults which cannot be pinned to jobs can explain."""
 
 
 @dataclass
@@ -58,6 +64,8 @@ class DatabaseView:
     outcomes_audited: int
     ledger_attempts: Counter[str] = field(default_factory=Counter)
     """Ledger rows per job id: one per re-sent attempt."""
+    ledger_times: dict[str, list[float]] = field(default_factory=dict)
+    """Per job id: when each of its ledger rows was written (epoch seconds, the claim's time)."""
     uncertain_suppressed: set[str] = field(default_factory=set)
     """Among the suppressed rows, those an earlier attempt of which may have reached the recipient
     (counted in ``possibly_delivered``): a delivery there is expected, not a mismatch."""
@@ -86,9 +94,12 @@ def read_database(
     url: str, account_id: int, campaign_id: int, api_view: dict[str, Any], api_ledger: set[str]
 ) -> DatabaseView:
     with psycopg.connect(url) as conn:
-        ledger_attempts = Counter(
-            str(r[0]) for r in conn.execute("SELECT job_id FROM sendonce.possible_duplicates").fetchall()
-        )
+        ledger_times: dict[str, list[float]] = defaultdict(list)
+        for job_id, at in conn.execute(
+            "SELECT job_id, extract(epoch FROM recorded_at)::float8 FROM sendonce.possible_duplicates"
+        ).fetchall():
+            ledger_times[str(job_id)].append(float(at))
+        ledger_attempts = Counter({job: len(times) for job, times in ledger_times.items()})
         ledger = set(ledger_attempts)
         suppressed = {
             str(r[0])
@@ -119,6 +130,7 @@ def read_database(
         counts={k: int(v) for k, v in (api_view.get("counts") or {}).items()},
         ledger=ledger,
         ledger_attempts=ledger_attempts,
+        ledger_times=dict(ledger_times),
         api_ledger=api_ledger,
         suppressed_rows=suppressed,
         uncertain_suppressed=uncertain_suppressed,
@@ -167,6 +179,7 @@ def judge(
     campaign_scope = f"campaign:{expect.campaign_id}"
     per_address: dict[str, Counter[str]] = defaultdict(Counter)  # scope -> address -> copies
     jobs_of: dict[tuple[str, str], set[str]] = defaultdict(set)
+    arrived_at: dict[str, list[float]] = defaultdict(list)  # job id -> when each copy arrived
     strangers: list[Arrival] = []
     for arrival in arrivals:
         scope = _scope(arrival.job_id)
@@ -175,6 +188,7 @@ def judge(
             continue
         per_address[scope][arrival.recipient] += 1
         jobs_of[(scope, arrival.recipient)].add(str(arrival.job_id))
+        arrived_at[str(arrival.job_id)].append(arrival.at)
 
     campaign = per_address[campaign_scope]
     signups = per_address["signup"]
@@ -237,8 +251,11 @@ def judge(
             extra = copies - 1
             jobs = jobs_of[(scope, address)]
             # Each re-send is a new attempt, and each re-send after an attempt that may have arrived
-            # is one ledger row: every extra copy needs a ledger row of its own.
-            covered = view.ledger_attempts[next(iter(jobs))] if len(jobs) == 1 else 0
+            # is one ledger row, written by the claim that re-sends it: every extra copy needs a ledger
+            # row of its own, written after the copy before it arrived and before it did. (A row
+            # written for a re-send that never went out does not cover a later, silent one.)
+            job = next(iter(jobs))
+            covered = _covered(sorted(arrived_at[job]), view.ledger_times.get(job, [])) if len(jobs) == 1 else 0
             recorded += min(extra, covered)
             if extra > covered:
                 unrecorded += extra - covered
@@ -261,6 +278,24 @@ def judge(
             verdict.duplicates <= expect.duplicate_bound,
             f"{verdict.duplicates} duplicate(s), bound {expect.duplicate_bound}",
         )
+        if expect.explained is not None:
+            explained = expect.explained
+            beyond: list[str] = []
+            unexplained = 0
+            for job, times in arrived_at.items():
+                over = len(times) - 1 - explained[job]
+                if over > 0:
+                    unexplained += over
+                    beyond.append(f"{job} x{len(times)} ({explained[job]} explained)")
+            verdict.add(
+                "SMTP: every duplicate follows a fault that hit its own job",
+                unexplained <= expect.unpinned,
+                _join(
+                    f"{unexplained} copy(ies) not explained by a fault on their job, "
+                    f"{expect.unpinned} explainable by faults not pinned to a job",
+                    _sample("beyond", sorted(beyond)),
+                ),
+            )
 
     # -- sendonce's counts match the inbox -------------------------------------------------------
     counts = view.counts
@@ -313,6 +348,24 @@ def judge(
         + (": " + ", ".join(f"{z['job_id']} by {z['recorder']}" for z in zombies[:5]) if zombies else ""),
     )
     return verdict
+
+
+_CLOCKS = 0.005
+"""Seconds of leeway between the inbox's clock and PostgreSQL's (the same host clock, read apart)."""
+
+
+def _covered(copies: list[float], written: list[float]) -> int:
+    """Of the extra copies (arrival times, sorted), how many have a ledger row of their own written
+    between the arrival of the copy before them and their own."""
+    rows = sorted(written)
+    i = covered = 0
+    for before, this in pairwise(copies):
+        while i < len(rows) and rows[i] < before - _CLOCKS:
+            i += 1
+        if i < len(rows) and rows[i] <= this + _CLOCKS:
+            covered += 1
+            i += 1
+    return covered
 
 
 def _sample(label: str, items: list[str], limit: int = 8) -> str:

@@ -402,9 +402,10 @@ def partition(ctx: Context, transport: str) -> Result:
     back, its late outcomes must be refused (fencing), and while cut off it must go quiet by its
     lease's end. It sends to an inbox of its own, so what it sent, and when, can be told apart."""
     sink = SmtpSink()
-    # Its own inbox answers each message after 0.4s: at the cut its lanes are mid-send, so it comes
-    # back holding accepted messages whose outcome it could not record (what fencing is about).
-    sink.add_box("isolated", InboxFaults(slow=1.0, slow_seconds=0.4))
+    # Its own inbox answers each message after 0.4s (within the client's timeout: late, not
+    # ambiguous): at the cut its lanes are mid-send, so it comes back holding accepted messages whose
+    # outcome it could not record (what fencing is about).
+    sink.add_box("isolated", InboxFaults(late=1.0, late_seconds=0.4))
     with Harness("partition", "smtp", ctx, sink) as h:
         proxy = TcpProxy(**proxy_target(h.url)).start()  # type: ignore[arg-type]
         try:
@@ -447,9 +448,11 @@ def _partition(h: Harness, proxy: TcpProxy) -> Result:
             proxy.pause()
         else:
             proxy.cut()
+        # and read again once it is cut off (it may have claimed more in between; now it cannot)
+        h.held_at_partitions.append(sorted(set(held) | set(_held_by(h.url, isolated.pid))))
         # While it is away, the others answer slowly: the rows they take over stay 'sending' for a
         # while, so its late outcomes arrive while someone else holds those rows (the zombie case).
-        sink.main.faults.slow, sink.main.faults.slow_seconds = 1.0, min(1.0, lease / 2)
+        sink.main.faults.late, sink.main.faults.late_seconds = 1.0, min(1.0, lease / 2)
 
         def sent_while_cut_off() -> list[str]:
             """What it held at the cut and its inbox has: sent, and impossible to record now."""
@@ -473,7 +476,7 @@ def _partition(h: Harness, proxy: TcpProxy) -> Result:
         h.partitions += 1
         h.result.notes.append(f"partition {i + 1} ({mode}): {away:.1f}s, {len(held)} row(s) held at the cut")
         h.wait_until(lambda: False, time.monotonic() + 1.0)
-        sink.main.faults.slow = 0.0
+        sink.main.faults.late = 0.0
 
     events: list[Event] = [
         # Early enough that the queue still holds work for the isolated worker when it is cut off.

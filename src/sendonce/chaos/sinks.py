@@ -62,6 +62,8 @@ class Sink(Protocol):
 
     def fault_counts(self) -> Counter[str]: ...
 
+    def ambiguous(self) -> Counter[str]: ...
+
     def count(self, prefix: str) -> int:
         """Arrivals whose job id starts with ``prefix`` (cheap: used to pace the chaos)."""
         ...
@@ -114,6 +116,13 @@ class SmtpSink:
             total.update(inbox.faults.counts)
         return total
 
+    def ambiguous(self) -> Counter[str]:
+        """Per job id: answers after which the client could not know that its message had arrived."""
+        total: Counter[str] = Counter()
+        for inbox in self.boxes.values():
+            total.update(inbox.faults.ambiguous)
+        return total
+
     def stop(self) -> None:
         for inbox in self.boxes.values():
             inbox.stop()
@@ -145,6 +154,9 @@ class ResendSink:
 
     def fault_counts(self) -> Counter[str]:
         return Counter(self.server.faults.counts)
+
+    def ambiguous(self) -> Counter[str]:
+        return Counter()  # a re-send is harmless here: the key makes the provider replay its answer
 
     def stop(self) -> None:
         self.server.stop()

@@ -65,6 +65,10 @@ class InboxFaults:
     """Receive and record the message, then wait ``slow_seconds`` before answering 250 (past the
     client's timeout: the client cannot know it arrived)."""
     slow_seconds: float = 5.0
+    late: float = 0.0
+    """Like ``slow``, but the client is meant to wait (``late_seconds`` under its timeout): not
+    ambiguous, it gets its 250, so not a fault that can explain a re-send. Counted as "late"."""
+    late_seconds: float = 0.5
     pace: float = 0.0
     """Seconds every answer to DATA waits (not a fault, not counted): slows a campaign down so that a
     scenario can still act while it is sending."""
@@ -72,6 +76,9 @@ class InboxFaults:
     """Called with each RCPT address; a returned SMTP reply (``"550 ..."``) rejects it."""
     seed: int | None = None
     counts: Counter[str] = field(default_factory=Counter)
+    ambiguous: Counter[str] = field(default_factory=Counter)
+    """Per job id: the answers that left the client unable to know whether its message arrived (a drop
+    after DATA, a slow or garbled answer). Each can explain one re-sent copy of that job, no other."""
 
     def __post_init__(self) -> None:
         self._random = random.Random(self.seed)
@@ -131,37 +138,43 @@ class _Handler:
                 return "421 4.3.2 Service shutting down"
             return "451 4.3.0 Try again later"
         slow = faults.roll(faults.slow)
-        if not slow and faults.pace > 0:
+        late = not slow and faults.roll(faults.late)
+        if not slow and not late and faults.pace > 0:
             await asyncio.sleep(faults.pace)
+        job_id = _job_id(data)
         self.inbox.record(
             Received(
                 mail_from=str(envelope.mail_from),
                 rcpt_to=tuple(envelope.rcpt_tos),
                 data=data,
                 received_at=time.time(),
-                job_id=_job_id(data),
+                job_id=job_id,
                 # session.ssl is set by STARTTLS only; an implicit-TLS transport says so itself
                 tls=session.ssl is not None
                 or (server.transport is not None and server.transport.get_extra_info("sslcontext") is not None),
             )
         )
-        if slow:
-            # The server has the message and answers late: past the client's timeout, the client
-            # cannot know it arrived (the ambiguous case, like a drop). A client that gives up closes
+        if slow or late:
+            # The server has the message and answers late. Slow: past the client's timeout, the client
+            # cannot know it arrived (the ambiguous case, like a drop); a client that gives up closes
             # the connection, which cancels this wait: the message stays received all the same.
-            faults.counts["slow"] += 1
+            faults.counts["slow" if slow else "late"] += 1
+            if slow:
+                faults.ambiguous[str(job_id)] += 1
             self.inbox.slow_waiting += 1
             try:
-                await asyncio.sleep(faults.slow_seconds)
+                await asyncio.sleep(faults.slow_seconds if slow else faults.late_seconds)
             finally:
                 self.inbox.slow_waiting -= 1
         if faults.roll(faults.drop_after_data):
             faults.counts["dropped_after_data"] += 1
+            faults.ambiguous[str(job_id)] += 1
             if isinstance(server.transport, asyncio.Transport):
                 server.transport.abort()
         self.inbox.accepted_total += 1
         if faults.roll(faults.garbled_reply):
             faults.counts["garbled_reply"] += 1
+            faults.ambiguous[str(job_id)] += 1
             return f"Ok: queued as {self.inbox.accepted_total}"
         return f"250 2.0.0 Ok: queued as {self.inbox.accepted_total}"
 
@@ -202,7 +215,7 @@ class Inbox:
         self.data_started = 0
         """Messages whose whole content arrived (before any fault or answer)."""
         self.slow_waiting = 0
-        """Messages received whose (slow) answer has not been given yet."""
+        """Messages received whose (slow or late) answer has not been given yet."""
         self._controller: Controller | None = None
 
     def start(self) -> Inbox:
