@@ -102,24 +102,23 @@ def test_stylesheets_are_never_fetched(client: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize(
-    "template",
+    ("template", "stopped_by"),
     [
-        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-        "{% for i in range(99999) %}{% for j in range(99999) %}{{ email }}{% endfor %}{% endfor %}",
-        "{{ 'x' * 10000000000 }}",
-        "{{ 9 ** 999999 }}",
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "loops too much"),
+        ("{% for i in range(99999) %}{% for j in range(99999) %}{{ email }}{% endfor %}{% endfor %}", "loops too much"),
+        ("{{ 'x' * 10000000000 }}", "builds a value longer than"),
+        ("{{ 9 ** 999999 }}", "power too large"),
     ],
 )
-def test_templates_cannot_make_the_server_work_forever(client: httpx.Client, template: str) -> None:
+def test_templates_cannot_make_the_server_work_forever(client: httpx.Client, template: str, stopped_by: str) -> None:
+    # Each is stopped by the sandbox's own limit, which its answer names (a runaway template would
+    # instead hold the request until the client's timeout and fail the test there).
     _, auth = _account(client)
-    started = time.monotonic()
     response = client.post("/v1/templates", json={"name": "t", "subject": "s", "text": template}, headers=auth)
     if response.status_code == 201:  # per-recipient templates are stopped when rendered
-        preview = client.post(f"/v1/templates/{response.json()['id']}/preview", json={}, headers=auth)
-        assert preview.status_code == 422, preview.text
-    else:
-        assert response.status_code == 422, response.text
-    assert time.monotonic() - started < 5
+        response = client.post(f"/v1/templates/{response.json()['id']}/preview", json={}, headers=auth)
+    assert response.status_code == 422, response.text
+    assert stopped_by in response.text
     assert client.get("/health").status_code == 200
 
 

@@ -291,6 +291,45 @@ STOPS = {
 }
 
 
+@pytest.mark.parametrize("kind", ["campaign", "transactional"])
+async def test_a_claim_skips_a_row_someone_else_has_locked_rather_than_wait_for_it(
+    database_url: str, kind: str
+) -> None:
+    """SKIP LOCKED: a row another transaction is taking (a concurrent claim, a recorder) is passed
+    over, and the claim returns at once with the rest. A claim that waited for it would fail here on
+    its lock_timeout instead of returning (no timing is judged: the error is the failure)."""
+    setup = await campaign_setup(database_url, emails(3))
+    aid = setup.account_id
+    async with await connect(database_url) as conn:
+        if kind == "campaign":
+            await _start_and_build(database_url)
+        else:
+            await conn.execute(
+                "INSERT INTO sendonce.deliveries (account_id, job_id, kind, priority, email, email_key)"
+                " SELECT %(a)s, 'tx:' || i, 'test', 0, 't' || i || '@example.test', 't' || i || '@example.test'"
+                "   FROM generate_series(1, 3) i",
+                {"a": aid},
+            )
+        cursor = await conn.execute(
+            "SELECT delivery_id FROM sendonce.deliveries WHERE (campaign_id IS NOT NULL) = %s ORDER BY delivery_id",
+            (kind == "campaign",),
+        )
+        ids = [row["delivery_id"] for row in await cursor.fetchall()]
+    assert len(ids) == 3
+    async with await connect(database_url) as holder, await connect(database_url) as claimer:
+        async with holder.transaction():
+            # the first row in claim order, locked by someone else and not released yet
+            await holder.execute("SELECT 1 FROM sendonce.deliveries WHERE delivery_id = %s FOR UPDATE", (ids[0],))
+            await claimer.execute("SET lock_timeout = '20s'")
+            batch = await outbox.claim_batch(
+                claimer, limit=20, lease_seconds=LEASE, worker="w", transport_idempotent=True
+            )
+            assert sorted(d.delivery_id for d in batch) == ids[1:]
+        # once the other transaction ends, the row is there for the next claim
+        later = await outbox.claim_batch(claimer, limit=20, lease_seconds=LEASE, worker="w", transport_idempotent=True)
+        assert [d.delivery_id for d in later] == ids[:1]
+
+
 async def _commit_while_a_claim_walks(database_url: str, statement: str) -> tuple[dict[str, bool], dict[str, Any]]:
     """Commit ``statement`` (about the campaign's only recipient, "last") after a claim has taken its
     snapshot and its first row, and before it reaches "last". Returns {email: blocked} of the claim
@@ -449,6 +488,45 @@ async def test_a_zombie_cannot_complete_a_row_that_was_reclaimed(database_url: s
         assert accepted == {second.key}
         row = await (await conn.execute("SELECT status, transport_message_id FROM sendonce.deliveries")).fetchone()
     assert row == {"status": "sent", "transport_message_id": "ok"}
+
+
+async def _stale_write(conn: Conn, kind: str, stale: Fenced) -> int:
+    """The zombie's outcome of kind ``kind`` for its old attempt; how many rows it changed."""
+    a, d, attempt = stale.account_id, stale.delivery_id, stale.attempt
+    if kind == "retry":
+        return len(await outbox.record_retry(conn, [outbox.RetryRecord(a, d, attempt, 0.0, "451 later", False)]))
+    if kind == "failed":
+        outcome = await outbox.record_failed(conn, [outbox.FailedRecord(a, d, attempt, "550 no", hard_bounce=True)])
+        return len(outcome.recorded)
+    if kind == "release":
+        return await outbox.release_claims(conn, [stale])
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["retry", "failed", "release"])
+async def test_a_zombie_cannot_requeue_fail_or_release_a_row_that_was_reclaimed(database_url: str, kind: str) -> None:
+    """Every outcome is fenced, not only 'sent': a worker presumed dead must not put a row back in the
+    queue, fail it (and suppress its address) or release it while its successor is sending it."""
+    await campaign_setup(database_url, emails(1))
+    await _start_and_build(database_url)
+    (first,) = await _claim_all(database_url, worker="zombie")
+    await _expire_leases(database_url)
+    async with await connect(database_url) as conn:
+        assert len(await outbox.requeue_expired(conn)) == 1
+    (second,) = await _claim_all(database_url, worker="successor")
+    assert second.attempt == first.attempt + 1
+    async with await connect(database_url) as conn:
+        assert await _stale_write(conn, kind, Fenced(first.account_id, first.delivery_id, first.attempt)) == 0
+        row = await (
+            await conn.execute("SELECT status, attempt, claimed_by, failures FROM sendonce.deliveries")
+        ).fetchone()
+        suppressed = await (await conn.execute("SELECT count(*) AS n FROM sendonce.suppressions")).fetchone()
+        assert row is not None and suppressed is not None
+        assert (row["status"], row["attempt"], row["failures"]) == ("sending", second.attempt, 0)
+        assert str(row["claimed_by"]).startswith("successor")
+        assert suppressed["n"] == 0
+        # the successor's own outcome of the same kind lands
+        assert await _stale_write(conn, kind, Fenced(second.account_id, second.delivery_id, second.attempt)) == 1
 
 
 async def test_a_late_outcome_is_kept_when_nobody_reclaimed_the_row(database_url: str) -> None:

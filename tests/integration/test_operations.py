@@ -9,7 +9,6 @@ import secrets
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -217,18 +216,18 @@ def demo_home(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_the_demo_refuses_a_setting_its_workers_would_die_of(demo_home: Path) -> None:
-    began = time.monotonic()
+    # refused before any worker starts: no worker log is written
     done = sendonce(
         "demo", "--subscribers", "10", "--workers", "1", url=None, home=demo_home, timeout=30, SENDONCE_RATE_LIMIT="abc"
     )
     line = one_line_error(done, 2)
     assert "rate" in line and "abc" in line
-    assert time.monotonic() - began < 20
+    assert not (demo_home / "demo" / "worker-0.log").exists()
 
 
 def test_the_demo_shows_why_a_worker_died(demo_home: Path) -> None:
-    # Not a setting the demo checks: the worker dies of it at start, and the demo says so at once.
-    began = time.monotonic()
+    # Not a setting the demo checks: the worker dies of it at start, and the demo says so at once
+    # (rather than wait for a campaign that will never be sent: the call's timeout would end it).
     done = sendonce(
         "demo",
         "--subscribers",
@@ -243,5 +242,4 @@ def test_the_demo_shows_why_a_worker_died(demo_home: Path) -> None:
     assert done.returncode == 1, done.stdout + done.stderr
     assert "exited with code 2" in done.stdout
     assert "not-a-number" in done.stdout  # the worker's own error, from its log
-    assert time.monotonic() - began < 45
     assert (demo_home / "demo" / "worker-0.log").exists()

@@ -65,6 +65,7 @@ def test_migrations_from_scratch_give_the_expected_schema(empty_database_url: st
     actual = describe_schema(empty_database_url)
     if os.environ.get("SENDONCE_UPDATE_SCHEMA_SNAPSHOT"):
         EXPECTED.write_text(actual)
+        pytest.skip("snapshot written, nothing compared: review its diff, then run again without the variable")
     assert actual == EXPECTED.read_text(), "schema differs from tests/integration/expected_schema.txt"
 
 
