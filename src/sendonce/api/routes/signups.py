@@ -106,7 +106,9 @@ async def create_signup(body: SignupIn, request: Request, account: CurrentAccoun
                 locale=body.locale,
                 redirect_url=body.redirect_url,
                 keys=services.keys,
-                window=account.signup_window or services.settings.signup_window,
+                # never longer than the link its mail carries: a repeat inside the window queues
+                # nothing, so a window that outlived its link would leave the person no way to verify
+                window=min(account.signup_window or services.settings.signup_window, services.settings.verify_ttl),
                 limits=services.limits,
                 verify_url=services.verify_url,
             )
