@@ -62,6 +62,10 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1_048_576, ge=1)
     """Largest request body the API reads (CSV imports: ``max_import_bytes``)."""
     max_import_bytes: int = Field(default=50 * 1_048_576, ge=1)
+    request_timeout: Duration = Field(default=timedelta(seconds=30))
+    """Longest the API takes to answer a request (CSV imports: ten times as long); past it, 503 and
+    Retry-After: a database that stopped answering must not hold a client, nor a pooled connection,
+    for ever."""
     verify_ttl: Duration = Field(default=timedelta(hours=48))
     """How long a verification link stays valid."""
     optin_ttl: Duration = Field(default=timedelta(days=7))
@@ -116,7 +120,7 @@ class Settings(BaseSettings):
     def _signup_window_bounds(cls, value: timedelta) -> timedelta:
         return check_signup_window(value)
 
-    @field_validator("verify_ttl", "optin_ttl", "abuse_window", "soft_bounce_period")
+    @field_validator("verify_ttl", "optin_ttl", "abuse_window", "soft_bounce_period", "request_timeout")
     @classmethod
     def _at_least_a_second(cls, value: timedelta) -> timedelta:
         # Zero would expire every link at once, divide by zero in the abuse detector, or count no bounce.

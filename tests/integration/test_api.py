@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,6 +12,7 @@ import psycopg.conninfo
 import psycopg.sql
 import pytest
 
+from sendonce.store.database import create_pool
 from sendonce.testing.tcp_proxy import TcpProxy
 from tests.conftest import ApiServer
 from tests.helpers import proxy_target, through_proxy
@@ -313,6 +315,45 @@ def test_an_unreachable_database_gets_a_503_that_can_be_retried(database_url: st
         proxy.heal()
         assert c.post("/v1/lists", json={"name": "after"}, headers=auth).status_code == 201
     assert _count(database_url, "SELECT count(*) FROM sendonce.lists") == 2
+
+
+def test_a_database_that_stops_answering_gets_a_503_within_the_deadline(database_url: str) -> None:
+    """Packets dropped rather than refused: no error ever comes back, and without the deadline the
+    request would hang until this client's own timeout (and fail the test there)."""
+    with (
+        TcpProxy(**proxy_target(database_url)) as proxy,  # type: ignore[arg-type]
+        ApiServer(through_proxy(database_url, proxy.port), request_timeout="2s") as server,
+        httpx.Client(base_url=server.url, timeout=60) as c,
+    ):
+        auth = _account(c)
+        assert c.post("/v1/lists", json={"name": "before"}, headers=auth).status_code == 201
+        proxy.pause()
+        problem = _problem(c.post("/v1/lists", json={"name": "during"}, headers=auth), 503)
+        assert "deadline" in problem["detail"] and "retry" in problem["detail"]
+        assert c.post("/v1/lists", json={"name": "during"}, headers=auth).headers["retry-after"]
+        proxy.heal()
+        assert c.post("/v1/lists", json={"name": "after"}, headers=auth).status_code == 201
+    with psycopg.connect(database_url) as conn:
+        names = {r[0] for r in conn.execute("SELECT name FROM sendonce.lists").fetchall()}
+    assert {"before", "after"} <= names
+
+
+async def test_a_pooled_session_left_idle_in_a_transaction_is_ended_by_the_server(database_url: str) -> None:
+    # A process that stalled mid-transaction keeps its row locks until PostgreSQL ends its session:
+    # the API's pool asks PostgreSQL to end such a session (twice the request deadline, by default).
+    pool = create_pool(database_url, idle_in_transaction_timeout=0.5)
+    await pool.open(wait=True)
+    try:
+        async with pool.connection() as conn:
+            shown = await (await conn.execute("SHOW idle_in_transaction_session_timeout")).fetchone()
+            assert shown is not None and list(shown.values()) == ["500ms"]
+            await conn.execute("BEGIN")
+            await conn.execute("SELECT 1")
+            await asyncio.sleep(1.5)  # stalled, holding its transaction open
+            with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
+                await conn.execute("SELECT 1")
+    finally:
+        await pool.close()
 
 
 def test_suppression_import_and_export(client: httpx.Client, database_url: str) -> None:

@@ -15,7 +15,7 @@ from sendonce import __version__
 from sendonce.api import problems
 from sendonce.api.abuse import AbuseDetector
 from sendonce.api.metrics import ApiMetrics
-from sendonce.api.middleware import BodyLimitMiddleware
+from sendonce.api.middleware import BodyLimitMiddleware, DeadlineMiddleware
 from sendonce.api.routes import (
     account,
     accounts,
@@ -49,7 +49,10 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = database_url or resolve_database_url(settings.database_url, settings.home)
-        pool = create_pool(url, min_size=1, max_size=20, name="sendonce-api")
+        # A transaction of a request is never idle for long (bodies are read before it starts): one
+        # idle past twice the request deadline belongs to a process that lost its way to the server.
+        idle = 2 * settings.request_timeout.total_seconds()
+        pool = create_pool(url, min_size=1, max_size=20, name="sendonce-api", idle_in_transaction_timeout=idle)
         # Open without waiting: the API starts (and answers 503) even while PostgreSQL is down.
         await pool.open(wait=False)
         app.state.pool = pool
@@ -94,6 +97,12 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
         return settings.max_import_bytes if path.endswith("/import") else settings.max_body_bytes
 
     app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
+
+    def deadline_for(path: str) -> float:
+        seconds = settings.request_timeout.total_seconds()
+        return seconds * 10 if path.endswith("/import") else seconds
+
+    app.add_middleware(DeadlineMiddleware, seconds_for=deadline_for)
     for module in (
         accounts,
         account,

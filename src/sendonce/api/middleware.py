@@ -1,13 +1,20 @@
-"""ASGI middleware: a body-size limit that holds for chunked bodies too."""
+"""ASGI middleware: a body-size limit that holds for chunked bodies too, and a deadline for every
+answer."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 from collections.abc import Callable
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sendonce.api.problems import PROBLEM_BASE, PROBLEM_JSON
+from sendonce.api.problems import PROBLEM_BASE, PROBLEM_JSON, Problem, problem_response
+
+logger = logging.getLogger(__name__)
 
 
 class BodyTooLarge(Exception):
@@ -91,3 +98,76 @@ class BodyLimitMiddleware:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+class DeadlineMiddleware:
+    """Answer 503 (with Retry-After) to a request that has no answer after ``seconds_for(path)``.
+
+    A database that stops answering rather than refusing (a partition that drops packets, a paused
+    host) leaves a statement waiting with no error: TCP keepalives take hours to notice. So does a
+    request waiting on a row lock held by another API process's transaction that stalled the same
+    way. Without a deadline such a request never ends, and each retry of it holds one more pooled
+    connection until none is left for anyone. Past the deadline the client gets the same 503 as for a
+    database that is down; the request's task is cancelled (twice if need be: psycopg's first
+    cancellation tries to cancel the statement on the server over the same silent path, the second
+    closes the connection), and the pool replaces that connection. A response already under way is
+    left to finish.
+    """
+
+    def __init__(self, app: ASGIApp, seconds_for: Callable[[str], float]) -> None:
+        self.app = app
+        self.seconds_for = seconds_for
+        self._abandoned: set[asyncio.Task[Any]] = set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = answered = False
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if answered:
+                return  # the 503 was the answer: what the abandoned request makes goes nowhere
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        task = asyncio.ensure_future(self.app(scope, receive, guarded_send))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.seconds_for(scope.get("path", "")))
+        except asyncio.CancelledError:  # the server is stopping, or the client went away
+            task.cancel()
+            raise
+        if task in done or started:
+            await task  # its answer, or its error for the handlers outside
+            return
+        answered = True
+        logger.warning(
+            "%s %s: no answer within the deadline; 503",
+            scope.get("method"),
+            scope.get("path"),
+            extra={"action": "request_deadline"},
+        )
+        problem = Problem(
+            503,
+            "no answer within the deadline (the database is not answering); the request may or may not "
+            "have been written: retry later (a POST with the same Idempotency-Key, so that the retry "
+            "cannot do it twice)",
+            headers={"Retry-After": "2"},
+        )
+        await problem_response(problem, scope.get("path"))(scope, receive, send)
+        abandon = asyncio.ensure_future(self._abandon(task))
+        self._abandoned.add(abandon)
+        abandon.add_done_callback(self._abandoned.discard)
+
+    @staticmethod
+    async def _abandon(task: asyncio.Task[Any]) -> None:
+        for _ in range(40):
+            if task.done():
+                break
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.25)
+        if task.done() and not task.cancelled():
+            with contextlib.suppress(BaseException):
+                task.result()  # retrieved: it was answered with the 503 already

@@ -36,6 +36,8 @@ def is_unavailable(exc: BaseException) -> bool:
         return True
     if isinstance(exc, psycopg.errors.AdminShutdown | psycopg.errors.CannotConnectNow):
         return True
+    if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout):
+        return True  # the server ended a session that stalled in a transaction (rolled back whole)
     if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
         # a server that takes no writes now: a standby during a failover, a primary being demoted
         return True
@@ -80,9 +82,30 @@ async def configure_session(conn: psycopg.AsyncConnection[Any], *, stable_plans:
 
 
 def create_pool(
-    url: str, *, min_size: int = 1, max_size: int = 10, name: str = "sendonce"
+    url: str,
+    *,
+    min_size: int = 1,
+    max_size: int = 10,
+    name: str = "sendonce",
+    idle_in_transaction_timeout: float | None = None,
 ) -> psycopg_pool.AsyncConnectionPool:
-    """An async pool that checks a connection before lending it, so a restarted server costs one retry."""
+    """An async pool that checks a connection before lending it, so a restarted server costs one retry.
+
+    ``idle_in_transaction_timeout`` (seconds): PostgreSQL ends a session of the pool that sits idle in
+    a transaction that long. Its process may have lost its way to the server without the server
+    knowing (a partition that drops packets); its locks would otherwise be held, and other processes'
+    requests for the same rows wait, until TCP keepalives give up, hours later."""
+    setup = b""
+    if idle_in_transaction_timeout is not None:
+        setup = b"SELECT set_config('idle_in_transaction_session_timeout', '%dms', false)" % int(
+            idle_in_transaction_timeout * 1000
+        )
+
+    async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
+        await configure_session(conn)
+        if setup:
+            await conn.execute(setup)
+
     return psycopg_pool.AsyncConnectionPool(
         url,
         min_size=min_size,
@@ -91,7 +114,7 @@ def create_pool(
         open=False,
         timeout=5.0,
         check=psycopg_pool.AsyncConnectionPool.check_connection,
-        configure=configure_session,
+        configure=configure,
         kwargs={"row_factory": dict_row, "autocommit": True},
     )
 
