@@ -404,9 +404,12 @@ async def test_the_metrics_say_where_a_workers_time_goes(database_url: str, tran
     assert metric("record_seconds_total") > 0
     assert metric("lane_waits_total") >= 1  # the connections start before the first claim has answered
     if transport == "smtp":
-        assert metric("record_wait_seconds_total") > 0
+        # each connection's next content waits for its previous record (a commit's round trip, where
+        # the next envelope's replies are already in): a gate that let them through would count none
+        assert metric("record_waits_total") >= 1 and metric("record_wait_seconds_total") > 0
+        assert metric("record_waits_total") <= 12 - 2  # not the first message of either connection
     else:
-        assert metric("record_wait_seconds_total") == 0
+        assert metric("record_waits_total") == metric("record_wait_seconds_total") == 0
 
 
 async def _paused_by_a_rate_limit(database_url: str, provider: ResendServer, backoff: float) -> tuple[Worker, Any]:
@@ -545,7 +548,7 @@ async def test_a_recorder_that_crashes_stops_the_worker_instead_of_hanging_it(da
             ledger = await campaigns.list_possible_duplicates(conn, setup.account_id)
         # every duplicate is in the ledger (which also names the unstarted rows: their leases ran out too)
         twice = {job for job, n in inbox.by_job().items() if n > 1}
-        assert len(twice) <= 1
+        assert len(twice) == 1  # the one sent before the crash, re-sent after its lease ran out
         assert twice <= {entry["job_id"] for entry in ledger}
 
 
@@ -643,7 +646,9 @@ async def test_a_zombie_worker_cannot_complete_rows_taken_over_by_another(databa
             duplicated = {job for job, n in inbox.by_job().items() if n > 1}
             async with await connect(database_url) as conn:
                 ledger = {r["job_id"] for r in await campaigns.list_possible_duplicates(conn, setup.account_id)}
-            assert duplicated <= ledger
+            # the zombie's first message reached the inbox before the cut and was never recorded: its
+            # successor sent it again, so there is at least that duplicate to find in the ledger
+            assert duplicated and duplicated <= ledger
             # at most the message in flight on each of the zombie's connections
             assert sum(n - 1 for n in received.values()) <= config.concurrency
     finally:

@@ -51,6 +51,10 @@ _STATS_COUNTERS = (
         "Time the connections held a message back until their previous accepted message was recorded "
         "(non-idempotent transports: at most one unrecorded message per connection)",
     ),
+    (
+        "record_waits",
+        "Times a connection held a message back because its previous accepted message was not recorded yet",
+    ),
     ("lane_waits", "Times a connection found no claimed row to send and waited for one"),
 )
 """Counters read from :class:`~sendonce.delivery.worker.WorkerStats`, each named after its field."""

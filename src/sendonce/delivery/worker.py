@@ -174,6 +174,9 @@ class WorkerStats:
     recorded: the rule that keeps a crash's duplicates to one per connection (non-idempotent
     transports only). Over a busy stretch, its rate divided by the concurrency is the share of the
     connections' time spent waiting on the database."""
+    record_waits: int = 0
+    """Times a connection's next content found its previous accepted message not recorded yet, and
+    was held back for it (the waits that ``record_wait_seconds`` adds up)."""
     lane_waits: int = 0
     """Times a connection found no claimed row to send, and waited for one."""
 
@@ -714,6 +717,8 @@ class Worker:
 
             async def gate(held: Held = held, previous: asyncio.Future[None] | None = unrecorded) -> float | None:
                 if previous is not None:
+                    if not previous.done():
+                        self.stats.record_waits += 1
                     waited = loop.time()
                     await previous
                     self.stats.record_wait_seconds += loop.time() - waited
