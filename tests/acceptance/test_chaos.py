@@ -210,6 +210,18 @@ def test_sending_before_the_previous_record_is_caught(where: list[str], tmp_path
     }, explain(result)
 
 
+def test_a_re_send_no_fault_explains_is_caught(where: list[str], tmp_path: Path) -> None:
+    # the recorder says it recorded what it did not: those rows are sent again when their leases run
+    # out. Each copy is in the ledger; nothing that happened to that message explains it.
+    code, [result] = chaos(
+        where, tmp_path, *("--scenario", "kills", "--transport", "smtp", "--kills", "6"), *("--broken", "lost-record")
+    )
+    assert code == 1 and result["verdict"] == "FAIL"
+    unexplained = check(result, "SMTP: every duplicate follows a fault that hit its own job")
+    assert not unexplained["ok"], explain(result)
+    assert "not explained by a fault on their job" in unexplained["detail"]
+
+
 def test_usage_errors_exit_2(tmp_path: Path) -> None:
     assert run(["--scenario", "nonsense", "--home", str(tmp_path)]) == 2
     assert run(["--recipients", "5", "--home", str(tmp_path)]) == 2

@@ -24,23 +24,32 @@ Builds:
     until its previous accepted message is recorded (nor re-checking the claim's deadline there), so
     a kill can leave several messages per connection sent and unrecorded. The kills scenario must
     find a kill with more than one per connection in flight.
+
+``lost-record``
+    ``record_sent`` leaves out one accepted message in every 25 it is given and says it recorded them
+    all. The worker forgets the row; its lease runs out; another claim sends it again (ledgered, as
+    an uncertain row is). No fault touched that message: the kills scenario must find a duplicate
+    that no fault on its own job explains, even where the total stays within the in-flight bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from sendonce.delivery.compose import ComposeError
 from sendonce.delivery.worker import Worker, _Lane, _Result
 from sendonce.domain.message import OutgoingMessage
 from sendonce.store import outbox
-from sendonce.store.outbox import SentRecord
+from sendonce.store.database import Conn
+from sendonce.store.outbox import Key, SentRecord
 from sendonce.store.queries import QUERIES
 from sendonce.transports.base import Channel, Follow, Gate, Outcome, Permanent
 
-BUILDS = ("no-fencing", "mark-sent-first", "no-record-wait")
+BUILDS = ("no-fencing", "mark-sent-first", "no-record-wait", "lost-record")
 FENCE = "AND d.attempt = u.attempt"
 
 
@@ -107,6 +116,18 @@ def no_record_wait() -> None:
     SmtpChannel.send = send_without_gate  # type: ignore[method-assign]
 
 
+def lose_records(every: int = 25) -> None:
+    record_sent = outbox.record_sent
+    counter = itertools.count(1)
+
+    async def record_sent_losing_some(conn: Conn, items: Sequence[SentRecord]) -> set[Key]:
+        written = [item for item in items if next(counter) % every]
+        await record_sent(conn, written)
+        return {(item.account_id, item.delivery_id) for item in items}  # all of them, it says
+
+    outbox.record_sent = record_sent_losing_some
+
+
 def apply(build: str) -> None:
     if build == "no-fencing":
         remove_fencing()
@@ -114,6 +135,8 @@ def apply(build: str) -> None:
         mark_sent_first()
     elif build == "no-record-wait":
         no_record_wait()
+    elif build == "lost-record":
+        lose_records()
     else:
         raise SystemExit(f"unknown broken build {build!r}; known: {', '.join(BUILDS)}")
 
