@@ -416,7 +416,8 @@ class _DryRun(Exception):
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
 def chaos(ctx: typer.Context) -> None:
     """The fault-injection suite: scenarios against real parts, a verdict from the inbox
-    (``sendonce chaos --help`` for its options; exits 1 if an invariant breaks)."""
+    (``sendonce chaos --help`` for its options; exits 1 if an invariant breaks, 3 if a scenario
+    asked for could not run here)."""
     from sendonce.chaos import run
 
     raise typer.Exit(run(list(ctx.args)))

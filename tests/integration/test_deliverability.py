@@ -99,7 +99,7 @@ async def test_one_click_unsubscribe_mid_campaign(database_url: str, client: htt
     setup = await campaign_setup(database_url, addresses)
     sid = _one(database_url, "SELECT subscriber_id FROM sendonce.subscribers WHERE email = %s", addresses[-1])[0]
     token = LINKS.unsubscribe_token(setup.account_id, sid, setup.campaign_id)  # type: ignore[arg-type]
-    with Inbox(faults=InboxFaults(slow=1.0, slow_seconds=0.03)) as inbox:
+    with Inbox(faults=InboxFaults(late=1.0, late_seconds=0.03)) as inbox:
         worker = Worker(
             database_url,
             transport_from_url(inbox.url),

@@ -123,7 +123,7 @@ async def test_pause_stops_sending_and_resume_finishes_exactly_once(database_url
     addresses = emails(120)
     setup = await campaign_setup(database_url, addresses)
     assert setup.campaign_id is not None
-    with Inbox(faults=InboxFaults(slow=1.0, slow_seconds=0.02)) as inbox:
+    with Inbox(faults=InboxFaults(late=1.0, late_seconds=0.02)) as inbox:
         worker = Worker(
             database_url,
             transport_from_url(inbox.url),
@@ -470,7 +470,7 @@ async def test_an_outage_of_days_keeps_its_pause_within_the_probe_interval(datab
 async def test_graceful_stop_gives_back_what_was_not_started(database_url: str) -> None:
     addresses = emails(60)
     setup = await campaign_setup(database_url, addresses)
-    with Inbox(faults=InboxFaults(slow=1.0, slow_seconds=0.05)) as inbox:
+    with Inbox(faults=InboxFaults(late=1.0, late_seconds=0.05)) as inbox:
         worker = Worker(
             database_url,
             transport_from_url(inbox.url),
@@ -604,7 +604,7 @@ async def test_a_zombie_worker_cannot_complete_rows_taken_over_by_another(databa
     # Slow transports: the zombie's first messages are still in flight when the partition starts,
     # so their outcomes can only reach the database after it heals.
     resend = ResendServer(faults=ResendFaults(delay_seconds=0.3)).start()
-    inbox = Inbox(faults=InboxFaults(slow=1.0, slow_seconds=0.3)).start()
+    inbox = Inbox(faults=InboxFaults(late=1.0, late_seconds=0.3)).start()
     url = resend.url if transport == "resend" else inbox.url
     try:
         with TcpProxy(**proxy_target(database_url)) as proxy:  # type: ignore[arg-type]

@@ -46,12 +46,17 @@ logger = logging.getLogger(__name__)
 def create_app(settings: Settings | None = None, *, database_url: str | None = None) -> FastAPI:
     settings = settings or load_settings()
 
+    def deadline_for(path: str) -> float:
+        seconds = settings.request_timeout.total_seconds()
+        return seconds * 10 if path.endswith("/import") else seconds
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = database_url or resolve_database_url(settings.database_url, settings.home)
-        # A transaction of a request is never idle for long (bodies are read before it starts): one
-        # idle past twice the request deadline belongs to a process that lost its way to the server.
-        idle = 2 * settings.request_timeout.total_seconds()
+        # A request's transaction is idle only while its process works between statements (an
+        # import under an Idempotency-Key parses its whole file in the key's transaction): one idle
+        # past twice the longest deadline belongs to a process that lost its way to the server.
+        idle = 2 * deadline_for("/import")
         pool = create_pool(url, min_size=1, max_size=20, name="sendonce-api", idle_in_transaction_timeout=idle)
         # Open without waiting: the API starts (and answers 503) even while PostgreSQL is down.
         await pool.open(wait=False)
@@ -97,10 +102,6 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
         return settings.max_import_bytes if path.endswith("/import") else settings.max_body_bytes
 
     app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
-
-    def deadline_for(path: str) -> float:
-        seconds = settings.request_timeout.total_seconds()
-        return seconds * 10 if path.endswith("/import") else seconds
 
     app.add_middleware(DeadlineMiddleware, seconds_for=deadline_for)
     for module in (

@@ -4,7 +4,6 @@ answer."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -12,7 +11,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sendonce.api.problems import PROBLEM_BASE, PROBLEM_JSON, Problem, problem_response
+from sendonce.api.problems import PROBLEM_BASE, PROBLEM_JSON, problem_response, unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -143,31 +142,26 @@ class DeadlineMiddleware:
             await task  # its answer, or its error for the handlers outside
             return
         answered = True
-        logger.warning(
-            "%s %s: no answer within the deadline; 503",
-            scope.get("method"),
-            scope.get("path"),
-            extra={"action": "request_deadline"},
-        )
-        problem = Problem(
-            503,
-            "no answer within the deadline (the database is not answering); the request may or may not "
-            "have been written: retry later (a POST with the same Idempotency-Key, so that the retry "
-            "cannot do it twice)",
-            headers={"Retry-After": "2"},
-        )
-        await problem_response(problem, scope.get("path"))(scope, receive, send)
-        abandon = asyncio.ensure_future(self._abandon(task))
+        seconds = self.seconds_for(scope.get("path", ""))
+        what = f"{scope.get('method')} {scope.get('path')}"
+        logger.warning("%s: no answer within %gs; 503", what, seconds, extra={"action": "request_deadline"})
+        # Cancelled first, whatever becomes of the 503 (a client gone, a server stopping): it must not
+        # keep its pooled connection, nor go on working.
+        abandon = asyncio.ensure_future(self._abandon(task, what))
         self._abandoned.add(abandon)
         abandon.add_done_callback(self._abandoned.discard)
+        problem = unavailable(f"no answer within {seconds:g}s (the database may not be answering)")
+        await problem_response(problem, scope.get("path"))(scope, receive, send)
 
     @staticmethod
-    async def _abandon(task: asyncio.Task[Any]) -> None:
+    async def _abandon(task: asyncio.Task[Any], what: str) -> None:
         for _ in range(40):
             if task.done():
                 break
             task.cancel()
             await asyncio.wait({task}, timeout=0.25)
-        if task.done() and not task.cancelled():
-            with contextlib.suppress(BaseException):
-                task.result()  # retrieved: it was answered with the 503 already
+        if not task.done():
+            logger.error("%s: still running 10s after its 503, cancelled 40 times", what)
+        elif not task.cancelled() and (exc := task.exception()) is not None:
+            # answered with the 503 already; its own error is still worth knowing
+            logger.warning("%s: after its 503 it failed: %r", what, exc, extra={"action": "request_deadline"})

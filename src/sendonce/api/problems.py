@@ -97,11 +97,11 @@ def validation_errors(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, str
     return out
 
 
-def unavailable() -> Problem:
+def unavailable(why: str = "the database is unavailable right now") -> Problem:
     return Problem(
         503,
         # Not "nothing was written": the connection can drop during COMMIT, after PostgreSQL committed.
-        "the database is unavailable right now; the request may or may not have been written: retry later "
+        f"{why}; the request may or may not have been written: retry later "
         "(a POST with the same Idempotency-Key, so that the retry cannot do it twice)",
         headers={"Retry-After": "2"},
     )

@@ -576,8 +576,10 @@ class Harness:
         if r.api_kills:
             injected["API killed after commit"] = r.api_kills
         for name, n in self.sink.fault_counts().items():
-            if name not in ("replayed",):
+            if name not in ("replayed", "late"):
                 injected[name] = n
+        if late := self.sink.fault_counts()["late"]:
+            r.notes.append(f"answers delayed within the client's timeout (not faults): {late}")
         r.faults = describe_faults(injected)
         if fleet.hook_points:
             r.notes.append("fault hook kills by point: " + describe_faults(fleet.hook_points))
@@ -658,6 +660,7 @@ def in_flight_bound(h: Harness, *, extra: int = 0) -> int:
         + c * h.options.workers * h.result.restarts
         + sink["dropped_after_data"]
         + sink["slow"]  # past the client's timeout (a delay it waits out is "late": no re-send)
+        + sink["late_given_up"]  # meant to be waited out, but the client's deadline came first
         + sink["garbled_reply"]
         + extra
     )

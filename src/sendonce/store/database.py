@@ -95,16 +95,14 @@ def create_pool(
     a transaction that long. Its process may have lost its way to the server without the server
     knowing (a partition that drops packets); its locks would otherwise be held, and other processes'
     requests for the same rows wait, until TCP keepalives give up, hours later."""
-    setup = b""
-    if idle_in_transaction_timeout is not None:
-        setup = b"SELECT set_config('idle_in_transaction_session_timeout', '%dms', false)" % int(
-            idle_in_transaction_timeout * 1000
-        )
 
     async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
         await configure_session(conn)
-        if setup:
-            await conn.execute(setup)
+        if idle_in_transaction_timeout is not None:
+            await conn.execute(
+                "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
+                (f"{round(idle_in_transaction_timeout * 1000)}ms",),
+            )
 
     return psycopg_pool.AsyncConnectionPool(
         url,

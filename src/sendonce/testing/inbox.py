@@ -67,7 +67,9 @@ class InboxFaults:
     slow_seconds: float = 5.0
     late: float = 0.0
     """Like ``slow``, but the client is meant to wait (``late_seconds`` under its timeout): not
-    ambiguous, it gets its 250, so not a fault that can explain a re-send. Counted as "late"."""
+    ambiguous, it gets its 250, so not a fault that can explain a re-send. Counted as "late"; one
+    whose client gave up before the answer all the same (its own deadline came first: the
+    connection closed) is ambiguous after all, counted as "late_given_up"."""
     late_seconds: float = 0.5
     pace: float = 0.0
     """Seconds every answer to DATA waits (not a fault, not counted): slows a campaign down so that a
@@ -164,8 +166,16 @@ class _Handler:
             self.inbox.slow_waiting += 1
             try:
                 await asyncio.sleep(faults.slow_seconds if slow else faults.late_seconds)
+            except asyncio.CancelledError:
+                if late:  # it was meant to wait, and gave up (its deadline came first): ambiguous after all
+                    faults.counts["late_given_up"] += 1
+                    faults.ambiguous[str(job_id)] += 1
+                raise
             finally:
                 self.inbox.slow_waiting -= 1
+            if late and (server.transport is None or server.transport.is_closing()):
+                faults.counts["late_given_up"] += 1
+                faults.ambiguous[str(job_id)] += 1
         if faults.roll(faults.drop_after_data):
             faults.counts["dropped_after_data"] += 1
             faults.ambiguous[str(job_id)] += 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, Field, StringConstraints
 
 from sendonce.api.deps import CurrentAccount, Db
@@ -56,9 +56,7 @@ async def get_account(account: CurrentAccount) -> dict[str, Any]:
 
 
 @router.patch("/v1/account")
-async def update_account(
-    body: AccountSettingsIn, account: CurrentAccount, conn: Db, request: Request
-) -> dict[str, Any]:
+async def update_account(body: AccountSettingsIn, account: CurrentAccount, conn: Db) -> dict[str, Any]:
     window: timedelta | None = None
     clear = body.signup_window is not None and body.signup_window.strip().lower() == "default"
     if body.signup_window is not None and not clear:
@@ -70,14 +68,6 @@ async def update_account(
             check_signup_window(window)
         except ValueError as exc:
             raise Problem(422, f"signup_window {exc}") from None
-        link_life = request.app.state.settings.verify_ttl
-        if window > link_life:
-            # A repeat inside the window queues nothing: the person would be left with a dead link.
-            raise Problem(
-                422,
-                f"signup_window must not be longer than a verification link's life "
-                f"({int(link_life.total_seconds())}s, SENDONCE_VERIFY_TTL)",
-            )
     if body.signup_list_id is not None and not await list_store.existing_lists(
         conn, account.account_id, [body.signup_list_id]
     ):
