@@ -466,8 +466,8 @@ async def _expire_leases(url: str) -> None:
         )
 
 
-async def test_a_zombie_cannot_complete_a_row_that_was_reclaimed(database_url: str) -> None:
-    """Without ``AND attempt = <token>`` in record_sent, the zombie's write would land."""
+async def _reclaimed(database_url: str) -> tuple[outbox.ClaimedDelivery, outbox.ClaimedDelivery]:
+    """One row, claimed by a "zombie" whose lease then ran out, and re-claimed by a "successor"."""
     await campaign_setup(database_url, emails(1))
     await _start_and_build(database_url)
     (first,) = await _claim_all(database_url, worker="zombie")
@@ -476,6 +476,12 @@ async def test_a_zombie_cannot_complete_a_row_that_was_reclaimed(database_url: s
         assert len(await outbox.requeue_expired(conn)) == 1
     (second,) = await _claim_all(database_url, worker="successor")
     assert second.attempt == first.attempt + 1
+    return first, second
+
+
+async def test_a_zombie_cannot_complete_a_row_that_was_reclaimed(database_url: str) -> None:
+    """Without ``AND attempt = <token>`` in record_sent, the zombie's write would land."""
+    first, second = await _reclaimed(database_url)
     now = datetime.now(UTC)
     async with await connect(database_url) as conn:
         refused = await outbox.record_sent(
@@ -507,14 +513,7 @@ async def _stale_write(conn: Conn, kind: str, stale: Fenced) -> int:
 async def test_a_zombie_cannot_requeue_fail_or_release_a_row_that_was_reclaimed(database_url: str, kind: str) -> None:
     """Every outcome is fenced, not only 'sent': a worker presumed dead must not put a row back in the
     queue, fail it (and suppress its address) or release it while its successor is sending it."""
-    await campaign_setup(database_url, emails(1))
-    await _start_and_build(database_url)
-    (first,) = await _claim_all(database_url, worker="zombie")
-    await _expire_leases(database_url)
-    async with await connect(database_url) as conn:
-        assert len(await outbox.requeue_expired(conn)) == 1
-    (second,) = await _claim_all(database_url, worker="successor")
-    assert second.attempt == first.attempt + 1
+    first, second = await _reclaimed(database_url)
     async with await connect(database_url) as conn:
         assert await _stale_write(conn, kind, Fenced(first.account_id, first.delivery_id, first.attempt)) == 0
         row = await (
