@@ -144,6 +144,15 @@ class _Handler:
         if not slow and not late and faults.pace > 0:
             await asyncio.sleep(faults.pace)
         job_id = _job_id(data)
+        doubted = False
+
+        def doubt() -> None:
+            # once per message, however many of the faults below hit it: it can be re-sent once
+            nonlocal doubted
+            if not doubted:
+                doubted = True
+                faults.ambiguous[str(job_id)] += 1
+
         self.inbox.record(
             Received(
                 mail_from=str(envelope.mail_from),
@@ -162,29 +171,29 @@ class _Handler:
             # the connection, which cancels this wait: the message stays received all the same.
             faults.counts["slow" if slow else "late"] += 1
             if slow:
-                faults.ambiguous[str(job_id)] += 1
+                doubt()
             self.inbox.slow_waiting += 1
             try:
                 await asyncio.sleep(faults.slow_seconds if slow else faults.late_seconds)
             except asyncio.CancelledError:
                 if late:  # it was meant to wait, and gave up (its deadline came first): ambiguous after all
                     faults.counts["late_given_up"] += 1
-                    faults.ambiguous[str(job_id)] += 1
+                    doubt()
                 raise
             finally:
                 self.inbox.slow_waiting -= 1
             if late and (server.transport is None or server.transport.is_closing()):
                 faults.counts["late_given_up"] += 1
-                faults.ambiguous[str(job_id)] += 1
+                doubt()
         if faults.roll(faults.drop_after_data):
             faults.counts["dropped_after_data"] += 1
-            faults.ambiguous[str(job_id)] += 1
+            doubt()
             if isinstance(server.transport, asyncio.Transport):
                 server.transport.abort()
         self.inbox.accepted_total += 1
         if faults.roll(faults.garbled_reply):
             faults.counts["garbled_reply"] += 1
-            faults.ambiguous[str(job_id)] += 1
+            doubt()
             return f"Ok: queued as {self.inbox.accepted_total}"
         return f"250 2.0.0 Ok: queued as {self.inbox.accepted_total}"
 
