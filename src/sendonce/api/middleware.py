@@ -12,6 +12,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sendonce.api.problems import PROBLEM_BASE, PROBLEM_JSON, problem_response, unavailable
+from sendonce.store.database import abandon
 
 logger = logging.getLogger(__name__)
 
@@ -147,19 +148,15 @@ class DeadlineMiddleware:
         logger.warning("%s: no answer within %gs; 503", what, seconds, extra={"action": "request_deadline"})
         # Cancelled first, whatever becomes of the 503 (a client gone, a server stopping): it must not
         # keep its pooled connection, nor go on working.
-        abandon = asyncio.ensure_future(self._abandon(task, what))
-        self._abandoned.add(abandon)
-        abandon.add_done_callback(self._abandoned.discard)
+        giving_up = asyncio.ensure_future(self._abandon(task, what))
+        self._abandoned.add(giving_up)
+        giving_up.add_done_callback(self._abandoned.discard)
         problem = unavailable(f"no answer within {seconds:g}s (the database may not be answering)")
         await problem_response(problem, scope.get("path"))(scope, receive, send)
 
     @staticmethod
     async def _abandon(task: asyncio.Task[Any], what: str) -> None:
-        for _ in range(40):
-            if task.done():
-                break
-            task.cancel()
-            await asyncio.wait({task}, timeout=0.25)
+        await abandon(task, step=0.25)
         if not task.done():
             logger.error("%s: still running 10s after its 503, cancelled 40 times", what)
         elif not task.cancelled() and (exc := task.exception()) is not None:

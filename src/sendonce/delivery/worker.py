@@ -45,7 +45,7 @@ from sendonce.domain.message import OutgoingMessage
 from sendonce.faults import NO_FAULTS, Faults
 from sendonce.notify import post_alert
 from sendonce.store import feedback, outbox, rate_limits
-from sendonce.store.database import Conn, connect, is_unavailable
+from sendonce.store.database import Conn, abandon, connect, is_unavailable
 from sendonce.store.feedback import FeedbackPolicy
 from sendonce.store.outbox import ClaimedDelivery, FailedRecord, Fenced, Key, RetryRecord, SentRecord
 from sendonce.store.rate_limits import Rate
@@ -221,32 +221,20 @@ class _Lane:
 
 
 async def _bounded(call: Awaitable[T], timeout: float) -> T:
-    """Await a database call for at most ``timeout`` seconds, then abandon its connection at once.
-
-    Cancelling a psycopg query makes psycopg try to cancel it on the server too, waiting up to ten
-    seconds for that over the same (dead) path; cancelling it again makes it close the connection
-    instead. A worker cut off from PostgreSQL must give up on a call promptly, not ten seconds late.
-    """
+    """Await a database call for at most ``timeout`` seconds, then abandon its connection at once
+    (see :func:`~sendonce.store.database.abandon`): a worker cut off from PostgreSQL must give up on
+    a call promptly, not ten seconds late. The call's own error then is an outage, reported as a
+    timeout, not a crash."""
     task = asyncio.ensure_future(call)
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout)
     except asyncio.CancelledError:
-        await _abandon(task)
+        await abandon(task)
         raise
     if task in done:
         return task.result()
-    await _abandon(task)
+    await abandon(task)
     raise TimeoutError(f"no answer within {timeout:.0f}s")
-
-
-async def _abandon(task: asyncio.Future[Any]) -> None:
-    for _ in range(40):
-        if task.done():
-            break
-        task.cancel()
-        await asyncio.wait({task}, timeout=0.05)
-    if task.done() and not task.cancelled():
-        task.exception()  # retrieved: it is an outage we report as a timeout, not a crash
 
 
 def _settle(recorded: asyncio.Future[None] | None) -> None:

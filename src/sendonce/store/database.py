@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,22 @@ async def configure_session(conn: psycopg.AsyncConnection[Any], *, stable_plans:
     await conn.execute(_SESSION_SETUP + _STABLE_PLANS if stable_plans else _SESSION_SETUP)
     if not conn.autocommit:
         await conn.commit()
+
+
+async def abandon(task: asyncio.Future[Any], *, step: float = 0.05, tries: int = 40) -> None:
+    """Cancel a task that is waiting on the database, until it ends (at most ``tries`` times).
+
+    Cancelling a psycopg query makes psycopg try to cancel it on the server too, waiting up to ten
+    seconds for that over the same path, which may be the dead one; cancelling it again makes it close
+    the connection instead. The task's own error, if it ended with one, is retrieved (not logged by
+    asyncio as never retrieved); callers that want it read ``task.exception()``."""
+    for _ in range(tries):
+        if task.done():
+            break
+        task.cancel()
+        await asyncio.wait({task}, timeout=step)
+    if task.done() and not task.cancelled():
+        task.exception()
 
 
 def create_pool(
