@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 
 from sendonce.chaos.broken import FENCE, remove_fencing
-from sendonce.chaos.invariants import DatabaseView, Expectation, Verdict, judge, zombie_completions
+from sendonce.chaos.invariants import DatabaseView, Expectation, Verdict, faults_fired, judge, zombie_completions
 from sendonce.chaos.processes import worker_stats
-from sendonce.chaos.sinks import Arrival
+from sendonce.chaos.sinks import Arrival, SmtpSink
 from sendonce.chaos.traffic import plan_addresses
 from sendonce.store.queries import QUERIES
+from sendonce.testing.inbox import InboxFaults
 
 PEOPLE = {"a@x.test", "b@x.test", "c@x.test"}
 
@@ -213,3 +214,23 @@ def test_the_no_fencing_build_removes_exactly_the_attempt_check(monkeypatch: pyt
     for name in ("record_sent", "record_retry", "record_failed"):
         assert FENCE not in QUERIES[name]
     assert FENCE in QUERIES["renew_leases"] and FENCE in QUERIES["release_claims"]
+
+
+def test_a_fault_that_should_have_fired_and_did_not_fails_the_run() -> None:
+    planned = {"slow": 12.0, "dropped_after_data": 30.0, "garbled_reply": 2.0}
+    ok = faults_fired(planned, Counter({"slow": 3, "dropped_after_data": 1}))
+    assert ok.ok and "too rare to require: garbled_reply" in ok.detail
+    # the inbox was set to drop connections, and never did: what that run tested is not what it says
+    silent = faults_fired(planned, Counter({"slow": 3}))
+    assert not silent.ok and "never fired: dropped_after_data" in silent.detail
+    assert faults_fired({}, Counter()).ok
+
+
+def test_the_sinks_plan_only_the_faults_they_were_set_to_inject() -> None:
+    sink = SmtpSink(InboxFaults(temp_fail=0.04, drop_after_data=0.03))
+    try:
+        planned = sink.planned_faults(1000)
+    finally:
+        sink.stop()
+    assert planned["temp_fail"] == pytest.approx(40) and planned["slow"] == 0
+    assert planned["dropped_after_data"] == pytest.approx(960 * 0.03) and planned["garbled_reply"] == 0

@@ -32,7 +32,15 @@ from typing import Any
 import psycopg
 
 from sendonce.chaos.database import ChaosDatabase, ChaosServer
-from sendonce.chaos.invariants import Check, Expectation, Verdict, judge, read_database, zombie_completions
+from sendonce.chaos.invariants import (
+    Check,
+    Expectation,
+    Verdict,
+    faults_fired,
+    judge,
+    read_database,
+    zombie_completions,
+)
 from sendonce.chaos.processes import Fleet, Proc, WorkerOptions, wait_healthy, worker_stats
 from sendonce.chaos.sinks import Sink, describe_faults
 from sendonce.chaos.traffic import Api, ApiUnavailable, CampaignSetup, SignupTraffic, approve, setup_campaign
@@ -551,9 +559,34 @@ class Harness:
                 n > 0,
                 f"{n} such kill(s), about {expected:.0f} expected",
             )
+        verdict.checks.append(faults_fired(*self._planned_faults()))
         verdict.checks.extend(self.extra_checks)
         self._fill(verdict)
         return verdict
+
+    def _planned_faults(self) -> tuple[dict[str, float], Counter[str]]:
+        """About how often each fault the run was set to inject should have fired (a lower bound:
+        the events each is rolled on, as few as the campaign can need), and how often it did."""
+        o, w = self.options, self.worker_options
+        planned = self.sink.planned_faults(o.recipients)
+        fired = Counter(self.sink.fault_counts())
+        per_event = {
+            "before_send": o.recipients,  # every message, at least once
+            "after_accept": o.recipients,
+            "after_claim": o.recipients / w.batch_size,  # claims of at most batch_size rows
+            "after_record": o.recipients / w.concurrency,  # a group: at most one outcome per connection
+            "mid_build": o.recipients / 1000,  # chunks of the list build (the worker's default)
+        }
+        for point, probability in Faults(self.worker_faults).probabilities.items():
+            if point in per_event:
+                planned[f"hook {point}"] = probability * per_event[point]
+                fired[f"hook {point}"] = self.procs.hook_points[point]
+        api = Faults(self.api_faults).probabilities.get("api_after_commit", 0.0)
+        if api and self.signups is not None:
+            # each acknowledged signup committed once (a repeat after a lost answer need not)
+            planned["hook api_after_commit"] = api * len(self.signups.acknowledged())
+            fired["hook api_after_commit"] = self.procs.hook_points["api_after_commit"]
+        return planned, fired
 
     def _fill(self, verdict: Verdict) -> None:
         r = self.result

@@ -350,6 +350,32 @@ def judge(
     return verdict
 
 
+EXPECTED_ENOUGH = 10.0
+"""A fault expected about this often or more must have fired at least once: the chance that it
+fires never, if it works, is e^-10 (under 1 in 20,000)."""
+
+
+def faults_fired(planned: dict[str, float], fired: Counter[str] | dict[str, int]) -> Check:
+    """Every fault the run was set to inject that it should have seen about ``EXPECTED_ENOUGH`` times
+    or more fired at least once: a fault that never fired tested nothing, and its run is not a pass.
+
+    ``planned``: per fault, about how many times it should have fired (probability times the events
+    it is rolled on); ``fired``: how many times it did."""
+    due = {name: expected for name, expected in planned.items() if expected >= EXPECTED_ENOUGH}
+    silent = sorted(name for name in due if fired.get(name, 0) == 0)
+    rare = sorted(name for name, expected in planned.items() if 0 < expected < EXPECTED_ENOUGH)
+    return Check(
+        f"every fault expected {EXPECTED_ENOUGH:g} times or more fired",
+        not silent,
+        _join(
+            ", ".join(f"{name} {fired.get(name, 0)} (~{due[name]:.0f} expected)" for name in sorted(due))
+            or "none expected that often",
+            _sample("never fired", silent),
+            _sample("too rare to require", rare),
+        ),
+    )
+
+
 _CLOCKS = 0.005
 """Seconds of leeway between the inbox's clock and PostgreSQL's (the same host clock, read apart)."""
 

@@ -64,6 +64,10 @@ class Sink(Protocol):
 
     def ambiguous(self) -> Counter[str]: ...
 
+    def planned_faults(self, messages: int) -> dict[str, float]:
+        """Per fault counter: about how many a run of ``messages`` messages should see (0: not set)."""
+        ...
+
     def count(self, prefix: str) -> int:
         """Arrivals whose job id starts with ``prefix`` (cheap: used to pace the chaos)."""
         ...
@@ -123,6 +127,22 @@ class SmtpSink:
             total.update(inbox.faults.ambiguous)
         return total
 
+    def planned_faults(self, messages: int) -> dict[str, float]:
+        # Only the main inbox's: a box of its own (the partition's) sees an unknown share of the mail.
+        # Each fault is rolled once per message, after the ones before it missed.
+        faults = self.main.faults
+        planned: dict[str, float] = {}
+        left = float(messages)
+        for counter, probability in (
+            ("temp_fail", faults.temp_fail),
+            ("slow", faults.slow),
+            ("dropped_after_data", faults.drop_after_data),
+            ("garbled_reply", faults.garbled_reply),
+        ):
+            planned[counter] = left * probability
+            left -= planned[counter]
+        return planned
+
     def stop(self) -> None:
         for inbox in self.boxes.values():
             inbox.stop()
@@ -157,6 +177,18 @@ class ResendSink:
 
     def ambiguous(self) -> Counter[str]:
         return Counter()  # a re-send is harmless here: the key makes the provider replay its answer
+
+    def planned_faults(self, messages: int) -> dict[str, float]:
+        faults = self.server.faults
+        counts = faults.counts
+        # A 409 for a seen key can only answer a repeat: about its share of the repeats that came.
+        repeats = counts["replayed"] + counts["409_replay_conflict"]
+        return {
+            "429": messages * faults.rate_limited,
+            "500": messages * faults.server_error,
+            "accept_then_stall": messages * faults.accept_then_stall,
+            "409_replay_conflict": repeats * faults.replay_conflict,
+        }
 
     def stop(self) -> None:
         self.server.stop()
