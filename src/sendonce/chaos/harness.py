@@ -44,6 +44,7 @@ from sendonce.chaos.invariants import (
 from sendonce.chaos.processes import Fleet, Proc, WorkerOptions, wait_healthy, worker_stats
 from sendonce.chaos.sinks import Sink, describe_faults
 from sendonce.chaos.traffic import Api, ApiUnavailable, CampaignSetup, SignupTraffic, approve, setup_campaign
+from sendonce.delivery.worker import WorkerConfig
 from sendonce.faults import Faults
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,8 @@ class Harness:
         self.held_at_partitions: list[list[str]] = []
         """Per partition: the job ids the isolated worker held at the cut (whatever it had sent of
         them it could not record)."""
+        self.sent_by_fleet = 0
+        """Campaign messages the faulted fleet had delivered when it was stopped (not the drains')."""
         self.opt_outs_planned = 0
         """Opt-outs of rows held unclaimed that the scenario planned (each may find no row left)."""
         self.held_at_kills: list[tuple[float, list[tuple[str, float]] | None]] = []
@@ -464,6 +467,12 @@ class Harness:
             signups.wait(0 if answered else 1.0)
         self.phase("signups answered")
         self.babysit()
+        # What the fleet's own workers sent (the isolated worker and the drains run without faults):
+        # the events the fault hook was rolled on, at least.
+        prefix = self.campaign_prefix
+        self.sent_by_fleet = sum(
+            1 for a in self.sink.arrivals() if a.box != "isolated" and (a.job_id or "").startswith(prefix)
+        )
         fleet.terminate(fleet.live("worker") + fleet.live("isolated"))
         self.phase("fleet stopped")
         drains = [fleet.spawn_worker(self.sink.url(), role="drain", drain=True) for _ in range(2)]
@@ -551,7 +560,7 @@ class Harness:
             )
         # The kill that matters most, between "the transport accepted" and "recorded": where the
         # hook makes about ten or more of them likely, at least one must have happened.
-        expected = Faults(self.worker_faults).probabilities.get("after_accept", 0.0) * self.options.recipients
+        expected = Faults(self.worker_faults).probabilities.get("after_accept", 0.0) * self.sent_by_fleet
         if expected >= 10:
             n = self.procs.hook_points["after_accept"]
             verdict.add(
@@ -570,12 +579,15 @@ class Harness:
         o, w = self.options, self.worker_options
         planned = self.sink.planned_faults(o.recipients)
         fired = Counter(self.sink.fault_counts())
+        sent = self.sent_by_fleet  # each of them went through before_send and after_accept
         per_event = {
-            "before_send": o.recipients,  # every message, at least once
-            "after_accept": o.recipients,
-            "after_claim": o.recipients / w.batch_size,  # claims of at most batch_size rows
-            "after_record": o.recipients / w.concurrency,  # a group: at most one outcome per connection
-            "mid_build": o.recipients / 1000,  # chunks of the list build (the worker's default)
+            "before_send": sent,
+            "after_accept": sent,
+            "after_claim": sent / w.batch_size,  # claims of at most batch_size rows
+            # a group holds outcomes of rows the worker holds: at most its claim ahead, a full ready
+            # queue and one per connection (over HTTP lanes do not wait for their records)
+            "after_record": sent / (2 * w.concurrency + w.batch_size),
+            "mid_build": o.recipients / WorkerConfig().build_chunk,  # chunks of the list build
         }
         for point, probability in Faults(self.worker_faults).probabilities.items():
             if point in per_event:
