@@ -61,10 +61,18 @@ def _campaign(text: str, html: str | None, subject: str, boundary: str) -> Campa
     return replace(content, skeleton=_skeleton(content))
 
 
+class _OneDate:
+    """The same Date for both composers: two calls a moment apart can straddle a second."""
+
+    def now(self) -> str:
+        return "Wed, 02 Dec 2026 04:55:52 GMT"
+
+
 def _composers(content: CampaignContent) -> tuple[Composer, Composer]:
     made = []
     for skeleton in (content.skeleton, None):
         made_one = composer()
+        made_one._date = _OneDate()  # type: ignore[assignment]
         made_one._campaigns[(1, 7)] = replace(content, skeleton=skeleton)
         made_one._senders[1] = (float("inf"), Sender(1, "Acme <news@sender.test>", "news@sender.test", "sender.test"))
         made.append(made_one)
