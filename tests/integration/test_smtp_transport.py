@@ -94,6 +94,27 @@ def test_pipelining_under_uvloop() -> None:
     assert inbox.pipelined_envelopes == 3
 
 
+@MODES
+async def test_a_lane_names_the_port_its_messages_arrive_from(pipelining: bool) -> None:
+    """The chaos suite tells a killed worker's messages in the inbox by its connections' ports."""
+    with Inbox() as inbox:
+        channel = _channel(inbox, pipelining=pipelining)
+        try:
+            assert channel.local_port is None  # nothing open yet
+            assert isinstance(await channel.send(_message(1), timeout=5), Accepted)
+            first = channel.local_port
+            await channel.close()
+            assert channel.local_port is None
+            assert isinstance(await channel.send(_message(2), timeout=5), Accepted)
+            second = channel.local_port
+        finally:
+            await channel.close()
+    assert first is not None and second is not None and first != second
+    assert [m.peer_port for m in inbox.messages] == [first, second]
+    one, two = (m.greeted_at for m in inbox.messages)
+    assert one is not None and two is not None and one < two <= inbox.messages[1].received_at
+
+
 async def test_a_server_without_pipelining_gets_one_command_at_a_time() -> None:
     with Inbox(pipelining=False) as inbox:
         channel = _channel(inbox)

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from sendonce.chaos.broken import FENCE, remove_fencing
+from sendonce.chaos.harness import sent_by_victim
 from sendonce.chaos.invariants import DatabaseView, Expectation, Verdict, faults_fired, judge, zombie_completions
-from sendonce.chaos.processes import worker_stats
+from sendonce.chaos.processes import Witness, worker_stats
 from sendonce.chaos.sinks import Arrival, SmtpSink
 from sendonce.chaos.traffic import plan_addresses
 from sendonce.store.queries import QUERIES
@@ -234,3 +235,26 @@ def test_the_sinks_plan_only_the_faults_they_were_set_to_inject() -> None:
         sink.stop()
     assert planned["temp_fail"] == pytest.approx(40) and planned["slow"] == 0
     assert planned["dropped_after_data"] == pytest.approx(960 * 0.03) and planned["garbled_reply"] == 0
+
+
+def test_a_victims_copies_are_told_by_its_connections_however_late_they_are_read() -> None:
+    """A copy is the dead worker's if it came after its claim and by a connection it had open when
+    it died, or before anyone else could claim the row (within the lease from the claim)."""
+    lease = 2.0
+    died = Witness(at=100.5, held=[("campaign:1:7", 100.0)], ports=frozenset({40001}))
+
+    def copy(at: float, port: int | None = None, greeted: float | None = None) -> Arrival:
+        return Arrival("campaign:1:7", "a@x.test", at, "main", port, greeted)
+
+    assert sent_by_victim(died, 100.0, copy(101.9), lease=lease)  # within the claim's lease
+    assert not sent_by_victim(died, 100.0, copy(99.9, 40001, 90.0), lease=lease)  # before the claim
+    # read 5 seconds after the death (a starved inbox), on one of the victim's own connections
+    assert sent_by_victim(died, 100.0, copy(105.5, 40001, 90.0), lease=lease)
+    # as late, by another connection, or by a later one that reused the port: the successor's
+    assert not sent_by_victim(died, 100.0, copy(105.5, 40002, 90.0), lease=lease)
+    assert not sent_by_victim(died, 100.0, copy(105.5, 40001, 103.0), lease=lease)
+    assert not sent_by_victim(died, 100.0, copy(105.5), lease=lease)
+    # a worker whose lease was renewed: a moment after its death still counts
+    renewed = Witness(at=110.0, held=[("campaign:1:7", 100.0)])
+    assert sent_by_victim(renewed, 100.0, copy(110.9), lease=lease)
+    assert not sent_by_victim(renewed, 100.0, copy(111.5), lease=lease)

@@ -186,7 +186,8 @@ def test_a_death_by_the_hook_leaves_a_note_of_what_the_worker_held() -> None:
     script = (
         "from sendonce.faults import Faults\n"
         "f = Faults('after_accept=1')\n"
-        "f.witness = lambda: {'held': [['campaign:1:2', 1700000000.5], ['campaign:1:3', 1700000001.0]]}\n"
+        "f.witness = lambda: {'held': [['campaign:1:2', 1700000000.5], ['campaign:1:3', 1700000001.0]],"
+        " 'ports': [40001, 40002]}\n"
         "f.hit('after_claim')\n"  # not configured: nothing happens
         "f.hit('after_accept')\n"
         "print('still alive')\n"
@@ -200,8 +201,9 @@ def test_a_death_by_the_hook_leaves_a_note_of_what_the_worker_held() -> None:
     point, held = note
     assert point == "after_accept"
     assert held is not None
-    assert before <= held[0] <= time.time()
-    assert held[1] == [("campaign:1:2", 1700000000.5), ("campaign:1:3", 1700000001.0)]
+    assert before <= held.at <= time.time()
+    assert held.held == [("campaign:1:2", 1700000000.5), ("campaign:1:3", 1700000001.0)]
+    assert held.ports == {40001, 40002}
     # a note without a witness (an API process) still names its point
     assert death_note(f"{DEATH_NOTE}api_after_commit\n") == ("api_after_commit", None)
     assert death_note("nothing here\n") is None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -41,8 +42,8 @@ from sendonce.chaos.invariants import (
     read_database,
     zombie_completions,
 )
-from sendonce.chaos.processes import Fleet, Proc, WorkerOptions, wait_healthy, worker_stats
-from sendonce.chaos.sinks import Sink, describe_faults
+from sendonce.chaos.processes import Fleet, Proc, Witness, WorkerOptions, wait_healthy, worker_stats
+from sendonce.chaos.sinks import Arrival, Sink, describe_faults
 from sendonce.chaos.traffic import Api, ApiUnavailable, CampaignSetup, SignupTraffic, approve, setup_campaign
 from sendonce.delivery.worker import WorkerConfig
 from sendonce.faults import Faults
@@ -188,7 +189,7 @@ class Harness:
         """Campaign messages the faulted fleet had delivered when it was stopped (not the drains')."""
         self.opt_outs_planned = 0
         """Opt-outs of rows held unclaimed that the scenario planned (each may find no row left)."""
-        self.held_at_kills: list[tuple[float, list[tuple[str, float]] | None]] = []
+        self.held_at_kills: list[Witness] = []
         """Per external kill: when, and the rows its victim still held right after it died, as (job id,
         when it claimed the row) (None: the database could not be asked)."""
         self.extra_checks: list[Check] = []
@@ -373,7 +374,7 @@ class Harness:
             self.babysit()  # it died meanwhile (the fault hook): replace it, and pick again
         # Dead now: what it held cannot change until its leases expire (seconds away). Those of them
         # the inbox has (it sent them, and could not record them) were in flight: see in_flight_bound.
-        self.held_at_kills.append((time.time(), self._held_jobs(victim.pid)))
+        self.held_at_kills.append(Witness(time.time(), self._held_jobs(victim.pid)))
         if role == "worker":
             self.procs.spawn_worker(self.sink.url(), faults=self.worker_faults)
         return victim
@@ -415,23 +416,24 @@ class Harness:
 
     def in_flight_jobs_at_kills(self, *, hook: bool = False) -> list[list[str] | None]:
         """Per external kill (``hook``: per death by the fault hook): the rows its victim held whose
-        message the inbox received after the victim claimed them and by the kill (up to a moment
-        later: what it wrote before it died may still be on its way); None if unknown. Nobody else
-        can send those rows between the claim and the victim's lease expiry, so those copies are the
+        message the inbox received after the victim claimed them; None if unknown. Nobody else can
+        send those rows between the claim and the victim's lease expiry, so those copies are the
         victim's: sent, and never recorded. (A copy before the claim is an earlier holder's, counted
         at that holder's death.) What an external victim held is read from the database at the kill;
-        a hook victim wrote it in its death note."""
-        arrived: dict[str, list[float]] = {}
+        a hook victim wrote it in its death note. See :func:`sent_by_victim` for which copies."""
+        arrived: dict[str, list[Arrival]] = {}
         for arrival in self.sink.arrivals():
             if arrival.job_id is not None:
-                arrived.setdefault(arrival.job_id, []).append(arrival.at)
-        settle = min(1.0, self.worker_options.lease / 2)
+                arrived.setdefault(arrival.job_id, []).append(arrival)
         kills = self.procs.held_at_hook_kills if hook else self.held_at_kills
+        lease = self.worker_options.lease
         return [
             None
-            if kill is None or kill[1] is None
+            if kill is None or kill.held is None
             else [
-                job for job, claimed in kill[1] if any(claimed <= at <= kill[0] + settle for at in arrived.get(job, []))
+                job
+                for job, claimed in kill.held
+                if any(sent_by_victim(kill, claimed, arrival, lease=lease) for arrival in arrived.get(job, []))
             ]
             for kill in kills
         ]
@@ -571,7 +573,40 @@ class Harness:
         verdict.checks.append(faults_fired(*self._planned_faults()))
         verdict.checks.extend(self.extra_checks)
         self._fill(verdict)
+        self._write_copies()
         return verdict
+
+    def _write_copies(self) -> None:
+        """Every job that arrived more than once, with each copy (when, by which connection) and each
+        death that held it, to ``copies.json`` in the scenario's log directory: what a failed check
+        on duplicates is read from afterwards."""
+        copies: dict[str, list[Arrival]] = {}
+        for arrival in self.sink.arrivals():
+            if arrival.job_id is not None:
+                copies.setdefault(arrival.job_id, []).append(arrival)
+        deaths: dict[str, list[dict[str, Any]]] = {}
+        for kind, kills in (("kill", self.held_at_kills), ("hook", self.procs.held_at_hook_kills)):
+            for kill in kills:
+                for job, claimed in (kill.held if kill is not None else None) or ():
+                    if len(copies.get(job, ())) > 1:
+                        assert kill is not None
+                        deaths.setdefault(job, []).append(
+                            {"by": kind, "died": kill.at, "claimed": claimed, "ports": sorted(kill.ports)}
+                        )
+        explained = self.expect.explained if self.expect is not None else None
+        report = {
+            job: {
+                "copies": [
+                    {"at": a.at, "box": a.box, "port": a.peer_port, "greeted": a.greeted_at}
+                    for a in sorted(arrivals, key=lambda a: a.at)
+                ],
+                "deaths": deaths.get(job, []),
+                "explained": explained[job] if explained is not None else None,
+            }
+            for job, arrivals in sorted(copies.items())
+            if len(arrivals) > 1
+        }
+        (self.run_dir / "copies.json").write_text(json.dumps(report, indent=1))
 
     def _planned_faults(self) -> tuple[dict[str, float], Counter[str]]:
         """About how often each fault the run was set to inject should have fired (a lower bound:
@@ -629,7 +664,7 @@ class Harness:
         if fleet.hook_points:
             r.notes.append("fault hook kills by point: " + describe_faults(fleet.hook_points))
         if self.held_at_kills:
-            holding = [len(jobs) for _, jobs in self.held_at_kills if jobs]
+            holding = [len(kill.held) for kill in self.held_at_kills if kill.held]
             in_flight = [n for n in self.in_flight_at_kills() if n is not None]
             r.notes.append(
                 f"external kills: {len(holding)} of {len(self.held_at_kills)} victims held claimed rows "
@@ -641,7 +676,7 @@ class Harness:
             in_flight = [n for n in self.in_flight_at_kills(hook=True) if n is not None]
             r.notes.append(
                 f"fault hook kills: {len(known)} of {len(fleet.held_at_hook_kills)} noted what they held "
-                f"({sum(len(held) for _, held in known)} rows in all, {sum(in_flight)} of them sent and not "
+                f"({sum(len(kill.held or ()) for kill in known)} rows in all, {sum(in_flight)} of them sent and not "
                 f"recorded; at most {max(in_flight, default=0)} at one kill)"
             )
         r.numbers.update(
@@ -657,6 +692,23 @@ class Harness:
         """A worker's refused outcomes (its warnings) and its final stats line, if it stopped gracefully."""
         text = proc.log_text()
         return text.count("outcome refused"), worker_stats(text)
+
+
+def sent_by_victim(kill: Witness, claimed: float, arrival: Arrival, *, lease: float) -> bool:
+    """Whether ``arrival``, a copy of a row the victim of ``kill`` claimed at ``claimed``, is the
+    victim's. It came after the claim, and:
+
+    * by one of the connections the victim still had open when it died, however late the inbox (a
+      thread of the suite's busy process) got to read it;
+    * or before anyone else could claim the row: the claim's lease runs ``lease`` seconds from the
+      database's time of the claim, which is later than ``claimed``;
+    * or within a moment of the death (for a lease renewed since)."""
+    if arrival.at < claimed:
+        return False
+    if arrival.peer_port in kill.ports and arrival.greeted_at is not None and arrival.greeted_at <= kill.at:
+        return True  # a port of the victim's, on a connection opened before it died: its own
+    settle = min(1.0, lease / 2)
+    return arrival.at <= max(kill.at + settle, claimed + lease)
 
 
 def explained_copies(h: Harness) -> tuple[Counter[str], int]:

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, NamedTuple
 
 import httpx
 
@@ -132,17 +132,29 @@ def refused_outcomes(text: str) -> int:
     return text.count("outcome refused")
 
 
-def death_note(log: str) -> tuple[str, tuple[float, list[tuple[str, float]]] | None] | None:
-    """The last note the fault hook left in a process's log: (point, (time of death, [(job id,
-    claimed at)] the worker held), or None for the second part if the note does not say); None if
-    there is no note."""
+class Witness(NamedTuple):
+    """What a worker held when it died: from its death note (a hook kill), or from the database
+    right after the suite killed it."""
+
+    at: float
+    """Wall-clock time of death."""
+    held: list[tuple[str, float]] | None
+    """(job id, claimed at) of each row it held, claimed and not recorded; None if unknown."""
+    ports: frozenset[int] = frozenset()
+    """Local ports of its open SMTP connections, where its note says (empty: not known)."""
+
+
+def death_note(log: str) -> tuple[str, Witness | None] | None:
+    """The last note the fault hook left in a process's log: (point, what the worker held, or None
+    if the note does not say); None if there is no note."""
     notes = re.findall(re.escape(DEATH_NOTE) + r"(\w+)(?: (\{.*\}))?$", log, re.MULTILINE)
     if not notes:
         return None
     point, witness = notes[-1]
     try:
         note = json.loads(witness)
-        return point, (float(note["at"]), [(str(job), float(at)) for job, at in note["held"]])
+        held = [(str(job), float(at)) for job, at in note["held"]]
+        return point, Witness(float(note["at"]), held, frozenset(int(port) for port in note.get("ports", ())))
     except (ValueError, KeyError, TypeError):
         return point, None
 
@@ -162,9 +174,9 @@ class Fleet:
     """Processes that died of SIGKILL the suite did not send (the fault hook), by role."""
     hook_points: Counter[str] = field(default_factory=Counter)
     """Deaths by the fault hook, by the point where it fired (from the note each one leaves)."""
-    held_at_hook_kills: list[tuple[float, list[tuple[str, float]]] | None] = field(default_factory=list)
-    """Per worker killed by the fault hook: (time of death, [(job id, claimed at)] it held), from its
-    note; None where the note says nothing of that."""
+    held_at_hook_kills: list[Witness | None] = field(default_factory=list)
+    """Per worker killed by the fault hook: what it held, from its note; None where the note says
+    nothing of that."""
     crashes: list[str] = field(default_factory=list)
     _seq: int = 0
 

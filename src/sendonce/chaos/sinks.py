@@ -29,6 +29,10 @@ class Arrival:
     """Wall-clock time of arrival."""
     box: str
     """Which inbox received it: ``main`` or the name of a side inbox."""
+    peer_port: int | None = None
+    """SMTP: the sender's TCP port (with ``greeted_at``, which connection of which worker it came by)."""
+    greeted_at: float | None = None
+    """SMTP: when that connection said EHLO."""
 
 
 def address_key(text: str) -> str:
@@ -104,7 +108,16 @@ class SmtpSink:
         for box, inbox in self.boxes.items():
             for message in inbox.messages:
                 for rcpt in message.rcpt_to:
-                    found.append(Arrival(message.job_id, address_key(rcpt), message.received_at, box))
+                    found.append(
+                        Arrival(
+                            message.job_id,
+                            address_key(rcpt),
+                            message.received_at,
+                            box,
+                            message.peer_port,
+                            message.greeted_at,
+                        )
+                    )
         return found
 
     def count(self, prefix: str) -> int:

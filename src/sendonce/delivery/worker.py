@@ -283,6 +283,7 @@ class Worker:
         self._idempotent = transport.capabilities.idempotent
         self._crash: BaseException | None = None
         self._recorders: list[asyncio.Task[None]] = []
+        self._channels: list[Channel] = []
         self._dirty_campaigns: set[tuple[int, int]] = set()
         self._last_check: dict[tuple[int, int], float] = {}
         self._check_interval = 0.2
@@ -342,6 +343,7 @@ class Worker:
         )
         await self.transport.start()
         channels = [self.transport.channel() for _ in range(self.config.concurrency)]
+        self._channels = channels
         senders = [asyncio.create_task(self._sender(channel), name=f"sender-{i}") for i, channel in enumerate(channels)]
         recorders = [asyncio.create_task(self._recorder(), name=f"recorder-{i}") for i in range(self.config.recorders)]
         self._recorders = recorders
@@ -597,9 +599,12 @@ class Worker:
             self._ready.put_nowait(held)
 
     def _witness(self) -> dict[str, Any]:
-        """For the fault hook's death note: the rows held, as [job id, claimed at]. The chaos suite
-        counts those whose message reached the inbox after the claim: sent, and never recorded."""
-        return {"held": [[h.delivery.job_id, h.claimed_at] for h in self._held.values()]}
+        """For the fault hook's death note: the rows held, as [job id, claimed at], and the local
+        ports of the lanes' open connections. The chaos suite counts those rows whose message
+        reached the inbox after the claim (by one of those connections, or soon after the death):
+        sent, and never recorded."""
+        ports = [port for port in (channel.local_port for channel in self._channels) if port is not None]
+        return {"held": [[h.delivery.job_id, h.claimed_at] for h in self._held.values()], "ports": ports}
 
     def _forget(self, held: Held) -> None:
         """Stop holding this claim. Not by key alone: after its lease ran out, this worker may have

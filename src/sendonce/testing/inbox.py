@@ -12,6 +12,7 @@ import random
 import ssl
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,10 @@ class Received:
     job_id: str | None
     tls: bool = False
     """It came over TLS (STARTTLS or implicit)."""
+    peer_port: int | None = None
+    """The client's TCP port: with ``greeted_at``, which of the client's connections it came by."""
+    greeted_at: float | None = None
+    """Wall-clock time of that connection's EHLO (None: the client said HELO, or nothing)."""
 
     def parsed(self) -> EmailMessage:
         message = email.message_from_bytes(self.data, policy=email.policy.default)
@@ -92,11 +97,14 @@ class InboxFaults:
 class _Handler:
     def __init__(self, inbox: Inbox) -> None:
         self.inbox = inbox
+        self.greeted: weakref.WeakKeyDictionary[Session, float] = weakref.WeakKeyDictionary()
+        """When each open connection said EHLO."""
 
     async def handle_EHLO(
         self, server: SMTP, session: Session, envelope: Envelope, hostname: str, responses: list[str]
     ) -> list[str]:
         session.host_name = hostname
+        self.greeted[session] = time.time()
         if self.inbox.pipelining:
             responses.insert(-1, "250-PIPELINING")
         return responses
@@ -163,6 +171,8 @@ class _Handler:
                 # session.ssl is set by STARTTLS only; an implicit-TLS transport says so itself
                 tls=session.ssl is not None
                 or (server.transport is not None and server.transport.get_extra_info("sslcontext") is not None),
+                peer_port=_port(session.peer),
+                greeted_at=self.greeted.get(session),
             )
         )
         if slow or late:
@@ -317,6 +327,11 @@ class Inbox:
                 return True
             time.sleep(0.02)
         return len(self._messages) >= count
+
+
+def _port(peer: Any) -> int | None:
+    """The port of aiosmtpd's ``session.peer`` ((host, port, ...) over TCP)."""
+    return int(peer[1]) if isinstance(peer, tuple) and len(peer) >= 2 else None
 
 
 def _free_port(host: str) -> int:

@@ -95,6 +95,12 @@ class Channel(ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the lane's resources."""
 
+    @property
+    def local_port(self) -> int | None:
+        """The local TCP port of the lane's open connection, if it keeps one (for the fault hook's
+        death note: the chaos suite tells this lane's messages in the inbox by it)."""
+        return None
+
 
 class Transport(ABC):
     capabilities: Capabilities

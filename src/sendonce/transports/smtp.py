@@ -233,6 +233,14 @@ class SmtpChannel(Channel):
     def pipelined(self) -> bool:
         return self._pipe is not None
 
+    @property
+    def local_port(self) -> int | None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return None
+        sockname = transport.get_extra_info("sockname")
+        return int(sockname[1]) if isinstance(sockname, tuple) and len(sockname) >= 2 else None
+
     def _connected(self) -> bool:
         if self._pipe is not None:
             return self._pipe.is_connected
