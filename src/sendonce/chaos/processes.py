@@ -259,19 +259,26 @@ class Fleet:
     # -- control ---------------------------------------------------------------------------------
 
     def kill(self, proc: Proc) -> bool:
-        """SIGKILL, as an operator's ``kill -9`` or the OOM killer would. False: it was dead already."""
+        """SIGKILL, as an operator's ``kill -9`` or the OOM killer would. False: it was dead already,
+        or the fault hook got there first (it left its note: the next :meth:`reap` counts that death,
+        with what the note says it held)."""
         if not proc.alive():
             return False
         proc.killed_by_us = True
         with contextlib.suppress(ProcessLookupError):
             proc.popen.send_signal(signal.SIGKILL)
         proc.popen.wait(timeout=10)
+        if proc.role in ("worker", "isolated") and death_note(proc.log_text()) is not None:
+            proc.killed_by_us = False
+            return False
         if proc.role != "api":
             self.external_kills += 1
         return True
 
     def terminate(self, procs: list[Proc], timeout: float = 30.0) -> None:
-        """SIGTERM (graceful), then SIGKILL whatever did not stop in time."""
+        """SIGTERM (graceful), then SIGKILL whatever did not stop in time; and account for every
+        process that died on its own since it was last looked at (a worker the fault hook killed
+        just before, which is not among ``procs``: what it held still counts)."""
         for proc in procs:
             if proc.alive():
                 proc.stopped_by_us = True
@@ -296,6 +303,8 @@ class Fleet:
                     self.crashes.append(
                         f"{proc.role} pid {proc.pid} exited with {code} after SIGTERM: see {proc.log_path}"
                     )
+        for proc in self.procs:
+            self.reap(proc)  # not replaced: the fleet is stopping
 
     def reap(self, proc: Proc) -> bool:
         """If ``proc`` died on its own, account for it; True when it has to be replaced."""
