@@ -22,14 +22,15 @@ pytestmark = pytest.mark.timeout(60)
 DIES_AT_THE_HOOK = (
     "from sendonce.faults import Faults\n"
     "f = Faults('after_accept=1')\n"
-    "f.witness = lambda: {'held': [['campaign:1:9', 1700000000.5]], 'ports': [40001]}\n"
+    "f.witness = lambda: {'held': [['campaign:1:9', 1700000000.5, 1700000002.5, False]],"
+    " 'connections': [[40001, 25, 1699999999.0]]}\n"
     "f.hit('after_accept')\n"
 )
 NOTED_THEN_KILLED = (
     # the hook's note is out, and its own SIGKILL has not landed yet when the suite's arrives
     "import os, time\n"
     "os.write(2, b'sendonce fault hook: SIGKILL at after_accept "
-    '{"at":1700000001.0,"held":[["campaign:1:9",1700000000.5]],"ports":[40001]}\\n\')\n'
+    '{"at":1700000001.0,"held":[["campaign:1:9",1700000000.5,1700000002.5,false]],"connections":[]}\\n\')\n'
     "time.sleep(60)\n"
 )
 STOPS_ON_SIGTERM = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\ntime.sleep(60)\n"
@@ -55,7 +56,20 @@ def test_a_hook_death_nobody_looked_at_before_the_fleet_stopped_is_counted(tmp_p
     assert not fleet.crashes
     assert fleet.hook_kills["worker"] == 1 and fleet.hook_points["after_accept"] == 1
     [witness] = fleet.held_at_hook_kills
-    assert witness is not None and witness.held == [("campaign:1:9", 1700000000.5)] and witness.ports == {40001}
+    assert witness is not None and witness.held == [("campaign:1:9", 1700000000.5, 1700000002.5, False)]
+    assert witness.connections == {(40001, 25, 1699999999.0)}
+
+
+def test_a_hook_death_among_the_workers_being_stopped_is_counted_once(tmp_path: Path) -> None:
+    fleet = _fleet(tmp_path)
+    try:
+        dead = _worker(fleet, DIES_AT_THE_HOOK)
+        assert dead.popen.wait(timeout=30) == -signal.SIGKILL
+        fleet.terminate([dead])  # it was live when the list was made, and died before its SIGTERM
+    finally:
+        fleet.close()
+    assert not fleet.crashes
+    assert fleet.hook_kills["worker"] == 1 and len(fleet.held_at_hook_kills) == 1
 
 
 def test_a_kill_that_finds_the_hook_got_there_first_counts_the_hooks_death(tmp_path: Path) -> None:
@@ -73,4 +87,5 @@ def test_a_kill_that_finds_the_hook_got_there_first_counts_the_hooks_death(tmp_p
         fleet.close()
     assert fleet.hook_kills["worker"] == 1
     [witness] = fleet.held_at_hook_kills
-    assert witness is not None and witness.at == 1700000001.0 and witness.held == [("campaign:1:9", 1700000000.5)]
+    assert witness is not None and witness.at == 1700000001.0
+    assert witness.held == [("campaign:1:9", 1700000000.5, 1700000002.5, False)]

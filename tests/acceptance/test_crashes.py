@@ -19,6 +19,9 @@ from typing import IO
 
 import pytest
 
+from sendonce.chaos.harness import by_victims_connection, within_victims_lease
+from sendonce.chaos.processes import death_note
+from sendonce.chaos.sinks import SmtpSink
 from sendonce.store import campaigns
 from sendonce.store.database import connect
 from sendonce.testing.inbox import Inbox
@@ -207,3 +210,34 @@ def test_the_demo_runs_on_the_embedded_default(tmp_path: Path, pg_admin_url: str
     assert result.returncode == 0, output + result.stderr.decode()
     assert "every address" in output
     assert "the opted-out address not at all" in output
+
+
+@pytest.mark.timeout(120)
+async def test_a_death_note_names_the_connection_its_last_message_came_by(database_url: str, tmp_path: Path) -> None:
+    """The chaos suite tells a dead worker's copies in the inbox by the connections its death note
+    names, and by the leases it lists: both must match what the inbox saw, from a real worker."""
+    addresses = emails(20)
+    await campaign_setup(database_url, addresses)
+    log_path = tmp_path / "worker.log"
+    with Inbox() as inbox, log_path.open("wb") as log:
+        proc = spawn_worker(database_url, inbox.url, faults="after_accept=1", log=log)
+        try:
+            assert proc.wait(timeout=90) == -signal.SIGKILL
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        note = death_note(log_path.read_text())
+        messages = inbox.messages
+        arrivals = SmtpSink.arrivals_of(inbox, "main")
+    assert note is not None and note[0] == "after_accept"
+    witness = note[1]
+    assert witness is not None and witness.held and witness.connections
+    # it died at its first accepted message (other lanes' may have arrived meanwhile, one each)
+    assert 1 <= len(messages) <= 4 and len(arrivals) == len(messages)
+    connections = {(local, server) for local, server, _ in witness.connections}
+    for arrival in arrivals:
+        [row] = [row for row in witness.held if row.job == arrival.job_id]
+        assert not row.given_back and row.until is not None and row.claimed <= arrival.at <= row.until
+        assert (arrival.peer_port, arrival.server_port) in connections and arrival.server_port is not None
+        assert by_victims_connection(witness, row, arrival)
+        assert within_victims_lease(witness, row, arrival)

@@ -95,24 +95,27 @@ def test_pipelining_under_uvloop() -> None:
 
 
 @MODES
-async def test_a_lane_names_the_port_its_messages_arrive_from(pipelining: bool) -> None:
-    """The chaos suite tells a killed worker's messages in the inbox by its connections' ports."""
+async def test_a_lane_names_the_connection_its_messages_arrive_by(pipelining: bool) -> None:
+    """The chaos suite tells a killed worker's messages in the inbox by its connections."""
     with Inbox() as inbox:
+        port = inbox.port
         channel = _channel(inbox, pipelining=pipelining)
         try:
-            assert channel.local_port is None  # nothing open yet
+            assert channel.connection is None  # nothing open yet
             assert isinstance(await channel.send(_message(1), timeout=5), Accepted)
-            first = channel.local_port
+            first = channel.connection
             await channel.close()
-            assert channel.local_port is None
+            closed = channel.connection
             assert isinstance(await channel.send(_message(2), timeout=5), Accepted)
-            second = channel.local_port
+            second = channel.connection
         finally:
             await channel.close()
-    assert first is not None and second is not None and first != second
-    assert [m.peer_port for m in inbox.messages] == [first, second]
+    assert closed is None and first is not None and second is not None
+    assert first[0] != second[0] and first[1] == second[1] == port
+    assert [(m.peer_port, m.greeted_at is not None) for m in inbox.messages] == [(first[0], True), (second[0], True)]
     one, two = (m.greeted_at for m in inbox.messages)
-    assert one is not None and two is not None and one < two <= inbox.messages[1].received_at
+    assert one is not None and two is not None
+    assert first[2] <= one < second[2] <= two <= inbox.messages[1].received_at
 
 
 async def test_a_server_without_pipelining_gets_one_command_at_a_time() -> None:

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from sendonce.chaos.broken import FENCE, remove_fencing
-from sendonce.chaos.harness import sent_by_victim
+from sendonce.chaos.harness import by_victims_connection, credit_copies, within_victims_lease
 from sendonce.chaos.invariants import DatabaseView, Expectation, Verdict, faults_fired, judge, zombie_completions
-from sendonce.chaos.processes import Witness, worker_stats
+from sendonce.chaos.processes import HeldRow, Witness, worker_stats
 from sendonce.chaos.sinks import Arrival, SmtpSink
 from sendonce.chaos.traffic import plan_addresses
 from sendonce.store.queries import QUERIES
@@ -239,22 +239,39 @@ def test_the_sinks_plan_only_the_faults_they_were_set_to_inject() -> None:
 
 def test_a_victims_copies_are_told_by_its_connections_however_late_they_are_read() -> None:
     """A copy is the dead worker's if it came after its claim and by a connection it had open when
-    it died, or before anyone else could claim the row (within the lease from the claim)."""
-    lease = 2.0
-    died = Witness(at=100.5, held=[("campaign:1:7", 100.0)], ports=frozenset({40001}))
+    it died, or before its lease had ended (nobody else could claim the row until then)."""
+    row = HeldRow("campaign:1:7", claimed=100.0, until=102.0)
+    died = Witness(at=100.5, held=[row], connections=frozenset({(40001, 2525, 90.0)}))
 
-    def copy(at: float, port: int | None = None, greeted: float | None = None) -> Arrival:
-        return Arrival("campaign:1:7", "a@x.test", at, "main", port, greeted)
+    def copy(at: float, port: int | None = None, greeted: float | None = None, server: int = 2525) -> Arrival:
+        return Arrival("campaign:1:7", "a@x.test", at, "main", port, greeted, server)
 
-    assert sent_by_victim(died, 100.0, copy(101.9), lease=lease)  # within the claim's lease
-    assert not sent_by_victim(died, 100.0, copy(99.9, 40001, 90.0), lease=lease)  # before the claim
-    # read 5 seconds after the death (a starved inbox), on one of the victim's own connections
-    assert sent_by_victim(died, 100.0, copy(105.5, 40001, 90.0), lease=lease)
-    # as late, by another connection, or by a later one that reused the port: the successor's
-    assert not sent_by_victim(died, 100.0, copy(105.5, 40002, 90.0), lease=lease)
-    assert not sent_by_victim(died, 100.0, copy(105.5, 40001, 103.0), lease=lease)
-    assert not sent_by_victim(died, 100.0, copy(105.5), lease=lease)
-    # a worker whose lease was renewed: a moment after its death still counts
-    renewed = Witness(at=110.0, held=[("campaign:1:7", 100.0)])
-    assert sent_by_victim(renewed, 100.0, copy(110.9), lease=lease)
-    assert not sent_by_victim(renewed, 100.0, copy(111.5), lease=lease)
+    assert within_victims_lease(died, row, copy(101.9))
+    assert not within_victims_lease(died, row, copy(102.1))  # the lease had ended: maybe another's
+    assert not within_victims_lease(died, row, copy(99.9))  # before the claim: an earlier holder's
+    # read 5 seconds after the death (a starved inbox), by one of the victim's own connections
+    assert by_victims_connection(died, row, copy(105.5, 40001, 95.0))
+    # as late, by another connection, to another server, by one opened before the victim's or after
+    # its death (a port used again): not the victim's
+    assert not by_victims_connection(died, row, copy(105.5, 40002, 95.0))
+    assert not by_victims_connection(died, row, copy(105.5, 40001, 95.0, server=2526))
+    assert not by_victims_connection(died, row, copy(105.5, 40001, 89.0))
+    assert not by_victims_connection(died, row, copy(105.5, 40001, 103.0))
+    assert not by_victims_connection(died, row, copy(99.9, 40001, 95.0))  # before the claim
+    # a row the victim gave back (released, or a retry): another worker may have claimed it at once
+    back = row._replace(given_back=True)
+    assert not within_victims_lease(died, back, copy(101.0))
+    assert by_victims_connection(died, back, copy(101.0, 40001, 95.0))
+
+
+def test_one_copy_is_credited_to_one_death_at_most() -> None:
+    """A copy an earlier holder sent and the inbox read late, inside the next holder's lease, would
+    fit both deaths: it goes to the one whose connection it came by, and explains one copy, not two."""
+    job = "campaign:1:7"
+    first = Witness(100.5, [HeldRow(job, 100.0, 102.0)], frozenset({(40001, 2525, 90.0)}))
+    second = Witness(103.5, [HeldRow(job, 103.0, 105.0)])
+    late = Arrival(job, "a@x.test", 103.2, "main", 40001, 95.0, 2525)
+
+    assert credit_copies([late], [second], [first]) == ([[]], [[job]])
+    # each death's row explains one copy: two deaths need two copies
+    assert credit_copies([late], [second], [first, first]) == ([[]], [[job], []])

@@ -186,8 +186,8 @@ def test_a_death_by_the_hook_leaves_a_note_of_what_the_worker_held() -> None:
     script = (
         "from sendonce.faults import Faults\n"
         "f = Faults('after_accept=1')\n"
-        "f.witness = lambda: {'held': [['campaign:1:2', 1700000000.5], ['campaign:1:3', 1700000001.0]],"
-        " 'ports': [40001, 40002]}\n"
+        "f.witness = lambda: {'held': [['campaign:1:2', 1700000000.5, 1700000002.5, False],"
+        " ['campaign:1:3', 1700000001.0, 1700000003.0, True]], 'connections': [[40001, 25, 1699999999.0]]}\n"
         "f.hit('after_claim')\n"  # not configured: nothing happens
         "f.hit('after_accept')\n"
         "print('still alive')\n"
@@ -202,8 +202,11 @@ def test_a_death_by_the_hook_leaves_a_note_of_what_the_worker_held() -> None:
     assert point == "after_accept"
     assert held is not None
     assert before <= held.at <= time.time()
-    assert held.held == [("campaign:1:2", 1700000000.5), ("campaign:1:3", 1700000001.0)]
-    assert held.ports == {40001, 40002}
+    assert held.held == [
+        ("campaign:1:2", 1700000000.5, 1700000002.5, False),
+        ("campaign:1:3", 1700000001.0, 1700000003.0, True),
+    ]
+    assert held.connections == {(40001, 25, 1699999999.0)}
     # a note without a witness (an API process) still names its point
     assert death_note(f"{DEATH_NOTE}api_after_commit\n") == ("api_after_commit", None)
     assert death_note("nothing here\n") is None

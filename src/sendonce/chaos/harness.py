@@ -42,7 +42,7 @@ from sendonce.chaos.invariants import (
     read_database,
     zombie_completions,
 )
-from sendonce.chaos.processes import Fleet, Proc, Witness, WorkerOptions, wait_healthy, worker_stats
+from sendonce.chaos.processes import Fleet, HeldRow, Proc, Witness, WorkerOptions, wait_healthy, worker_stats
 from sendonce.chaos.sinks import Arrival, Sink, describe_faults
 from sendonce.chaos.traffic import Api, ApiUnavailable, CampaignSetup, SignupTraffic, approve, setup_campaign
 from sendonce.delivery.worker import WorkerConfig
@@ -395,19 +395,21 @@ class Harness:
             self.babysit()
             time.sleep(0.01)
 
-    def _held_jobs(self, pid: int) -> list[tuple[str, float]] | None:
-        """The rows worker ``pid`` holds (claimed, not recorded) as (job id, claimed at: a claim sets
-        updated_at, a renewal does not); None if the database cannot be asked."""
+    def _held_jobs(self, pid: int) -> list[HeldRow] | None:
+        """The rows worker ``pid`` holds (claimed, not recorded), with their claim's time (a claim sets
+        updated_at, a renewal does not) and their lease's end; None if the database cannot be asked.
+        Both times are the database's: the same clock as the inbox's on one machine."""
         try:
             with psycopg.connect(self.url, connect_timeout=2) as conn:
                 rows = conn.execute(
-                    "SELECT job_id, extract(epoch FROM updated_at)::float8 FROM sendonce.deliveries "
+                    "SELECT job_id, extract(epoch FROM updated_at)::float8, "
+                    "extract(epoch FROM lease_expires_at)::float8 FROM sendonce.deliveries "
                     "WHERE status = 'sending' AND claimed_by LIKE %s",
                     (f"%:{pid}:%",),
                 ).fetchall()
         except psycopg.Error:
             return None
-        return [(str(job), float(at)) for job, at in rows]
+        return [HeldRow(str(job), float(at), None if until is None else float(until)) for job, at, until in rows]
 
     def in_flight_at_kills(self, *, hook: bool = False) -> list[int | None]:
         """Per external kill (``hook``: per death by the fault hook): how many messages were in
@@ -416,27 +418,12 @@ class Harness:
 
     def in_flight_jobs_at_kills(self, *, hook: bool = False) -> list[list[str] | None]:
         """Per external kill (``hook``: per death by the fault hook): the rows its victim held whose
-        message the inbox received after the victim claimed them; None if unknown. Nobody else can
-        send those rows between the claim and the victim's lease expiry, so those copies are the
-        victim's: sent, and never recorded. (A copy before the claim is an earlier holder's, counted
-        at that holder's death.) What an external victim held is read from the database at the kill;
-        a hook victim wrote it in its death note. See :func:`sent_by_victim` for which copies."""
-        arrived: dict[str, list[Arrival]] = {}
-        for arrival in self.sink.arrivals():
-            if arrival.job_id is not None:
-                arrived.setdefault(arrival.job_id, []).append(arrival)
-        kills = self.procs.held_at_hook_kills if hook else self.held_at_kills
-        lease = self.worker_options.lease
-        return [
-            None
-            if kill is None or kill.held is None
-            else [
-                job
-                for job, claimed in kill.held
-                if any(sent_by_victim(kill, claimed, arrival, lease=lease) for arrival in arrived.get(job, []))
-            ]
-            for kill in kills
-        ]
+        message the inbox received from it (see :func:`by_victims_connection` and
+        :func:`within_victims_lease`): sent, and never recorded; None if unknown. What an external
+        victim held is read from the database at the kill; a hook victim wrote it in its death note.
+        See :func:`credit_copies`."""
+        external, by_hook = credit_copies(self.sink.arrivals(), self.held_at_kills, self.procs.held_at_hook_kills)
+        return by_hook if hook else external
 
     def _holders(self) -> dict[int, int] | None:
         """Claimed, unrecorded rows per worker pid; None if the database cannot be asked."""
@@ -587,17 +574,24 @@ class Harness:
         deaths: dict[str, list[dict[str, Any]]] = {}
         for kind, kills in (("kill", self.held_at_kills), ("hook", self.procs.held_at_hook_kills)):
             for kill in kills:
-                for job, claimed in (kill.held if kill is not None else None) or ():
-                    if len(copies.get(job, ())) > 1:
+                for row in (kill.held if kill is not None else None) or ():
+                    if len(copies.get(row.job, ())) > 1:
                         assert kill is not None
-                        deaths.setdefault(job, []).append(
-                            {"by": kind, "died": kill.at, "claimed": claimed, "ports": sorted(kill.ports)}
+                        deaths.setdefault(row.job, []).append(
+                            {
+                                "by": kind,
+                                "died": kill.at,
+                                "claimed": row.claimed,
+                                "until": row.until,
+                                "given_back": row.given_back,
+                                "connections": sorted(kill.connections),
+                            }
                         )
         explained = self.expect.explained if self.expect is not None else None
         report = {
             job: {
                 "copies": [
-                    {"at": a.at, "box": a.box, "port": a.peer_port, "greeted": a.greeted_at}
+                    {"at": a.at, "box": a.box, "port": a.peer_port, "server": a.server_port, "greeted": a.greeted_at}
                     for a in sorted(arrivals, key=lambda a: a.at)
                 ],
                 "deaths": deaths.get(job, []),
@@ -694,21 +688,62 @@ class Harness:
         return text.count("outcome refused"), worker_stats(text)
 
 
-def sent_by_victim(kill: Witness, claimed: float, arrival: Arrival, *, lease: float) -> bool:
-    """Whether ``arrival``, a copy of a row the victim of ``kill`` claimed at ``claimed``, is the
-    victim's. It came after the claim, and:
+def credit_copies(
+    arrivals: list[Arrival], external: list[Witness], by_hook: list[Witness | None]
+) -> tuple[list[list[str] | None], list[list[str] | None]]:
+    """Per death (the external kills', then the hook's): the rows of what its victim held that a copy
+    in ``arrivals`` shows it had sent (see :func:`by_victims_connection` and
+    :func:`within_victims_lease`); None where what it held is unknown.
 
-    * by one of the connections the victim still had open when it died, however late the inbox (a
-      thread of the suite's busy process) got to read it;
-    * or before anyone else could claim the row: the claim's lease runs ``lease`` seconds from the
-      database's time of the claim, which is later than ``claimed``;
-    * or within a moment of the death (for a lease renewed since)."""
-    if arrival.at < claimed:
+    Each copy is credited to one death at most, and each row of a death to one copy at most: a copy
+    both rules could give to two deaths (an earlier holder's, read late) goes to the death whose
+    connection it came by."""
+    arrived: dict[str, list[tuple[int, Arrival]]] = {}
+    for n, arrival in enumerate(arrivals):
+        if arrival.job_id is not None:
+            arrived.setdefault(arrival.job_id, []).append((n, arrival))
+    deaths: list[Witness | None] = [*external, *by_hook]
+    found: list[list[str] | None] = [None if k is None or k.held is None else [] for k in deaths]
+    used: set[int] = set()
+    credited: set[tuple[int, int]] = set()
+    for rule in (by_victims_connection, within_victims_lease):
+        for d, (kill, jobs) in enumerate(zip(deaths, found, strict=True)):
+            if kill is None or kill.held is None or jobs is None:
+                continue
+            for r, row in enumerate(kill.held):
+                if (d, r) in credited:
+                    continue
+                for n, arrival in arrived.get(row.job, []):
+                    if n not in used and rule(kill, row, arrival):
+                        used.add(n)
+                        credited.add((d, r))
+                        jobs.append(row.job)
+                        break
+    return found[: len(external)], found[len(external) :]
+
+
+def by_victims_connection(kill: Witness, row: HeldRow, arrival: Arrival) -> bool:
+    """``arrival``, a copy of ``row``, came after the victim's claim by a connection the victim had
+    open when it died (the same local and server ports, greeted after the victim opened it and
+    before its death): the victim's own copy, however late the inbox (a thread of the suite's busy
+    process) got to read it. Only a hook victim's note names its connections."""
+    greeted = arrival.greeted_at
+    if arrival.at < row.claimed or greeted is None:
         return False
-    if arrival.peer_port in kill.ports and arrival.greeted_at is not None and arrival.greeted_at <= kill.at:
-        return True  # a port of the victim's, on a connection opened before it died: its own
-    settle = min(1.0, lease / 2)
-    return arrival.at <= max(kill.at + settle, claimed + lease)
+    return any(
+        local == arrival.peer_port and server == arrival.server_port and opened <= greeted <= kill.at
+        for local, server, opened in kill.connections
+    )
+
+
+def within_victims_lease(kill: Witness, row: HeldRow, arrival: Arrival) -> bool:
+    """``arrival``, a copy of ``row``, came after the victim's claim and before its lease had ended,
+    so before anyone else could claim the row: the victim's copy (or an earlier holder's, read late).
+    Not for a row the victim had given back (released, or a retry): once that was recorded, another
+    worker could claim it at once."""
+    if row.given_back or row.until is None:
+        return False
+    return row.claimed <= arrival.at <= row.until
 
 
 def explained_copies(h: Harness) -> tuple[Counter[str], int]:

@@ -132,16 +132,29 @@ def refused_outcomes(text: str) -> int:
     return text.count("outcome refused")
 
 
+class HeldRow(NamedTuple):
+    """A row a worker held when it died: claimed, its outcome not recorded."""
+
+    job: str
+    claimed: float
+    """Wall-clock time just before the claim (a hook victim's), or the claim's time (the database's)."""
+    until: float | None = None
+    """Wall-clock time by which its lease had ended at the latest (None: not known)."""
+    given_back: bool = False
+    """Its outcome gave it back (released, or to be retried): another worker may have claimed it as
+    soon as that was recorded, lease or not."""
+
+
 class Witness(NamedTuple):
     """What a worker held when it died: from its death note (a hook kill), or from the database
     right after the suite killed it."""
 
     at: float
     """Wall-clock time of death."""
-    held: list[tuple[str, float]] | None
-    """(job id, claimed at) of each row it held, claimed and not recorded; None if unknown."""
-    ports: frozenset[int] = frozenset()
-    """Local ports of its open SMTP connections, where its note says (empty: not known)."""
+    held: list[HeldRow] | None
+    """None if unknown."""
+    connections: frozenset[tuple[int, int, float]] = frozenset()
+    """Its open SMTP connections, as (local port, server port, opened at), where its note says."""
 
 
 def death_note(log: str) -> tuple[str, Witness | None] | None:
@@ -153,9 +166,13 @@ def death_note(log: str) -> tuple[str, Witness | None] | None:
     point, witness = notes[-1]
     try:
         note = json.loads(witness)
-        held = [(str(job), float(at)) for job, at in note["held"]]
-        return point, Witness(float(note["at"]), held, frozenset(int(port) for port in note.get("ports", ())))
-    except (ValueError, KeyError, TypeError):
+        held = [
+            HeldRow(str(row[0]), float(row[1]), float(row[2]) if len(row) > 2 else None, bool(row[3:4] and row[3]))
+            for row in note["held"]
+        ]
+        connections = frozenset((int(c[0]), int(c[1]), float(c[2])) for c in note.get("connections", ()))
+        return point, Witness(float(note["at"]), held, connections)
+    except (ValueError, KeyError, TypeError, IndexError):
         return point, None
 
 
@@ -187,7 +204,7 @@ class Fleet:
         seq = self._seq
         app_name = f"chaos-{seq}"
         log_path = self.run_dir / f"{seq:04d}-{role}.log"
-        log = log_path.open("ab")
+        log = log_path.open("wb")  # not appended to: a log dir used again must not lend an old death note
         full_env = {**clean_env(), **env, "PGAPPNAME": app_name}
         popen = subprocess.Popen(
             args,
@@ -280,8 +297,9 @@ class Fleet:
         process that died on its own since it was last looked at (a worker the fault hook killed
         just before, which is not among ``procs``: what it held still counts)."""
         for proc in procs:
+            # each is accounted for below, dead already or not: reap() must not count it again
+            proc.stopped_by_us = True
             if proc.alive():
-                proc.stopped_by_us = True
                 with contextlib.suppress(ProcessLookupError):
                     proc.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout

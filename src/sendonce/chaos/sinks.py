@@ -33,6 +33,8 @@ class Arrival:
     """SMTP: the sender's TCP port (with ``greeted_at``, which connection of which worker it came by)."""
     greeted_at: float | None = None
     """SMTP: when that connection said EHLO."""
+    server_port: int | None = None
+    """SMTP: the port of the inbox that received it."""
 
 
 def address_key(text: str) -> str:
@@ -104,21 +106,24 @@ class SmtpSink:
         return f"{base}?timeout={self.timeout:g}" if self.timeout is not None else base
 
     def arrivals(self) -> list[Arrival]:
-        found = []
-        for box, inbox in self.boxes.items():
-            for message in inbox.messages:
-                for rcpt in message.rcpt_to:
-                    found.append(
-                        Arrival(
-                            message.job_id,
-                            address_key(rcpt),
-                            message.received_at,
-                            box,
-                            message.peer_port,
-                            message.greeted_at,
-                        )
-                    )
-        return found
+        return [arrival for box, inbox in self.boxes.items() for arrival in self.arrivals_of(inbox, box)]
+
+    @staticmethod
+    def arrivals_of(inbox: Inbox, box: str) -> list[Arrival]:
+        port = inbox.port if inbox.running else None
+        return [
+            Arrival(
+                message.job_id,
+                address_key(rcpt),
+                message.received_at,
+                box,
+                message.peer_port,
+                message.greeted_at,
+                port,
+            )
+            for message in inbox.messages
+            for rcpt in message.rcpt_to
+        ]
 
     def count(self, prefix: str) -> int:
         total = 0

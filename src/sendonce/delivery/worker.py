@@ -138,6 +138,9 @@ class Held:
     """Its outcome is with the recorder: a renewal that no longer finds it is not a lost lease."""
     claimed_at: float = 0.0
     """Wall-clock time (epoch seconds) just before its claim, for the fault hook's death note."""
+    given_back: bool = False
+    """Its outcome gives it back (released, or to be retried): once that is recorded, another worker
+    may claim it before the lease would have ended."""
 
     @property
     def fenced(self) -> Fenced:
@@ -599,12 +602,16 @@ class Worker:
             self._ready.put_nowait(held)
 
     def _witness(self) -> dict[str, Any]:
-        """For the fault hook's death note: the rows held, as [job id, claimed at], and the local
-        ports of the lanes' open connections. The chaos suite counts those rows whose message
-        reached the inbox after the claim (by one of those connections, or soon after the death):
-        sent, and never recorded."""
-        ports = [port for port in (channel.local_port for channel in self._channels) if port is not None]
-        return {"held": [[h.delivery.job_id, h.claimed_at] for h in self._held.values()], "ports": ports}
+        """For the fault hook's death note: the rows held, as [job id, claimed at, lease end (both
+        wall-clock), given back], and the lanes' open connections as [local port, server port,
+        opened at]. The chaos suite counts those rows whose message reached the inbox after the
+        claim, by one of those connections or before the lease ended: sent, and never recorded."""
+        now, loop_now = time.time(), self._loop.time()
+        held = [
+            [h.delivery.job_id, h.claimed_at, now + (h.lease_end - loop_now), h.given_back] for h in self._held.values()
+        ]
+        connections = [list(c) for c in (channel.connection for channel in self._channels) if c is not None]
+        return {"held": held, "connections": connections}
 
     def _forget(self, held: Held) -> None:
         """Stop holding this claim. Not by key alone: after its lease ran out, this worker may have
@@ -793,6 +800,7 @@ class Worker:
 
     def _push(self, result: _Result) -> None:
         result.held.done = True
+        result.held.given_back = result.outcome is None or isinstance(result.outcome, Retry)
         self._results.append(result)
         self._record_wanted.set()
 

@@ -288,6 +288,10 @@ class Inbox:
         self.stop()
 
     @property
+    def running(self) -> bool:
+        return self._controller is not None
+
+    @property
     def port(self) -> int:
         assert self._controller is not None, "the inbox is not started"
         return int(self._controller.port)

@@ -96,9 +96,10 @@ class Channel(ABC):
         """Release the lane's resources."""
 
     @property
-    def local_port(self) -> int | None:
-        """The local TCP port of the lane's open connection, if it keeps one (for the fault hook's
-        death note: the chaos suite tells this lane's messages in the inbox by it)."""
+    def connection(self) -> tuple[int, int, float] | None:
+        """The lane's open connection, if it keeps one: (local port, server port, wall-clock time
+        just before it was opened). For the fault hook's death note: the chaos suite tells this
+        lane's messages in the inbox by it."""
         return None
 
 

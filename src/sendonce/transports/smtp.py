@@ -226,6 +226,8 @@ class SmtpChannel(Channel):
         self._ahead: tuple[OutgoingMessage, bytes] | None = None
         """The lane's next message, and its content, whose envelope went out behind the last content."""
         self._transport: asyncio.Transport | None = None
+        self._opened_at = 0.0
+        """Wall-clock time just before the current connection was opened."""
         """The connection's transport, kept to abort it: aiosmtplib drops its own reference when it
         closes after a timeout, and its close still flushes what is buffered."""
 
@@ -234,12 +236,14 @@ class SmtpChannel(Channel):
         return self._pipe is not None
 
     @property
-    def local_port(self) -> int | None:
+    def connection(self) -> tuple[int, int, float] | None:
         transport = self._transport
         if transport is None or transport.is_closing():
             return None
-        sockname = transport.get_extra_info("sockname")
-        return int(sockname[1]) if isinstance(sockname, tuple) and len(sockname) >= 2 else None
+        local, server = transport.get_extra_info("sockname"), transport.get_extra_info("peername")
+        if not (isinstance(local, tuple) and isinstance(server, tuple) and len(local) >= 2 and len(server) >= 2):
+            return None
+        return int(local[1]), int(server[1]), self._opened_at
 
     def _connected(self) -> bool:
         if self._pipe is not None:
@@ -282,6 +286,7 @@ class SmtpChannel(Channel):
             validate_certs=s.validate_certs,
             local_hostname=s.local_hostname,
         )
+        self._opened_at = time.time()
         await smtp.connect(timeout=timeout)
         if smtp.is_ehlo_or_helo_needed:
             # Extensions (SMTPUTF8, 8BITMIME, PIPELINING) are known only after EHLO.
