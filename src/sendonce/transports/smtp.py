@@ -226,10 +226,10 @@ class SmtpChannel(Channel):
         self._ahead: tuple[OutgoingMessage, bytes] | None = None
         """The lane's next message, and its content, whose envelope went out behind the last content."""
         self._transport: asyncio.Transport | None = None
-        self._opened_at = 0.0
-        """Wall-clock time just before the current connection was opened."""
         """The connection's transport, kept to abort it: aiosmtplib drops its own reference when it
         closes after a timeout, and its close still flushes what is buffered."""
+        self._opened_at = 0.0
+        """Wall-clock time just before the current connection was opened."""
 
     @property
     def pipelined(self) -> bool:
