@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 from collections import Counter
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from prometheus_client import CollectorRegistry
 
+from sendonce.chaos.harness import within_victims_lease
+from sendonce.chaos.processes import death_note
+from sendonce.chaos.sinks import SmtpSink
 from sendonce.delivery.metrics import WorkerCollector
 from sendonce.delivery.worker import Held, Worker, WorkerConfig, _Lane, _Result
+from sendonce.faults import DEATH_NOTE
 from sendonce.outbox import enqueue_async
 from sendonce.store import campaigns, outbox
 from sendonce.store.database import Conn, connect
@@ -928,3 +935,60 @@ async def test_a_lane_whose_setup_fails_leaves_no_connection_open(database_url: 
                 break
             await asyncio.sleep(0.02)
         assert left == {"n": 0}
+
+
+async def test_a_death_note_tells_a_row_given_back_from_one_sent_and_unrecorded(database_url: str) -> None:
+    """What a worker would write in its death note while two outcomes wait to be recorded: a row the
+    server refused for now (451: back to the queue, unsent) is marked given back, and a row the server
+    accepted is not. The chaos suite credits a copy that arrives within the victim's lease to the
+    victim only for the second kind: the first may be claimed and sent by another worker as soon as
+    its retry is recorded."""
+    addresses = emails(2)
+    refused, accepted = addresses
+    setup = await campaign_setup(database_url, addresses)
+    await _prebuild(database_url)  # both rows queued: one claim takes them
+    lock: list[psycopg.Connection[Any]] = []
+
+    def reject(address: str) -> str | None:
+        if not lock:
+            # The rows are claimed (a send follows the claim's commit): lock them, so that the
+            # records wait and both outcomes stay pending while the worker is looked at.
+            conn = psycopg.connect(database_url)
+            conn.execute("SELECT 1 FROM sendonce.deliveries WHERE campaign_id = %s FOR UPDATE", (setup.campaign_id,))
+            lock.append(conn)
+        return "451 4.7.1 greylisted, try again" if address == refused else None
+
+    with Inbox(faults=InboxFaults(reject=reject)) as inbox:
+        worker = Worker(
+            database_url,
+            transport_from_url(inbox.url),
+            WorkerConfig(concurrency=1, batch_size=2, **FAST),
+            composer=composer(),
+        )
+        task = asyncio.create_task(worker.run())
+        try:
+            deadline = time.monotonic() + 30
+            while not (len(worker._held) == 2 and all(held.done for held in worker._held.values())):
+                assert time.monotonic() < deadline and not task.done(), "the two outcomes never came"
+                await asyncio.sleep(0.01)
+            note = death_note(f"{DEATH_NOTE}after_accept {json.dumps({'at': time.time(), **worker._witness()})}\n")
+            arrivals = SmtpSink.arrivals_of(inbox, "main")
+        finally:
+            for conn in lock:
+                conn.rollback()
+                conn.close()
+        worker.stop()
+        await asyncio.wait_for(task, 30)
+    assert note is not None and note[1] is not None
+    witness = note[1]
+    rows = {row.job: row for row in witness.held}
+    assert len(rows) == 2
+    [arrival] = arrivals
+    assert arrival.recipient == accepted
+    sent_row = rows[arrival.job_id]
+    [back_row] = [row for job, row in rows.items() if job != arrival.job_id]
+    assert not sent_row.given_back and within_victims_lease(witness, sent_row, arrival)
+    assert back_row.given_back
+    # a copy of the refused row arriving at once, from whoever claims it next, is not the victim's
+    later = dataclasses.replace(arrival, job_id=back_row.job, recipient=refused, at=back_row.claimed + 0.5)
+    assert not within_victims_lease(witness, back_row, later)
