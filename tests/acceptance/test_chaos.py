@@ -16,6 +16,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import psycopg
 import pytest
 
 from sendonce.chaos import run
+from sendonce.chaos.database import clock_offset
 from sendonce.domain.addresses import parse_address
 from sendonce.domain.states import SuppressionReason
 from sendonce.store import suppressions
@@ -271,3 +273,19 @@ async def test_a_possibly_delivered_attempt_is_counted_when_the_row_ends_suppres
     assert status == "sent"
     # the counts account for what the inbox received: not sent, but possibly delivered
     assert (counts.sent, counts.suppressed, counts.possibly_delivered) == (0, 1, 1), counts
+
+
+def test_the_databases_timestamps_are_read_on_the_inboxs_clock(database_url: str) -> None:
+    """The suite compares times the database wrote (a claim, a lease's end, a ledger row) with the
+    inbox's arrival times. Against a server whose clock is not the inbox's, the offset between them
+    is measured and taken off: here the inbox's clock is made an hour slow."""
+    with psycopg.connect(database_url) as conn:
+        assert abs(clock_offset(conn)) < 0.05  # one host, one clock: only part of a round trip
+        slow = 3600.0
+        offset = clock_offset(conn, lambda: time.time() - slow)
+        assert abs(offset - slow) < 0.05
+        before = time.time() - slow
+        row = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+        after = time.time() - slow
+    assert row is not None
+    assert before - 0.005 <= row[0] - offset <= after + 0.005

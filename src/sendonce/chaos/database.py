@@ -25,8 +25,10 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -66,6 +68,23 @@ CREATE TRIGGER chaos_audit_outcome AFTER UPDATE ON sendonce.deliveries FOR EACH 
           OR NEW.failures > OLD.failures)
     EXECUTE FUNCTION chaos.audit_outcome();
 """
+
+
+def clock_offset(conn: psycopg.Connection[Any], clock: Callable[[], float] = time.time) -> float:
+    """Seconds by which the database's clock is ahead of ``clock`` (the inbox's, ``time.time()``): a
+    timestamp the database wrote, less this, is on the inbox's clock. Zero on one host, give or take a
+    round trip; against a server elsewhere, whatever their clocks disagree by. The best of a few round
+    trips: its error is at most half the shortest."""
+    best: tuple[float, float] | None = None
+    for _ in range(5):
+        before = clock()
+        row = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+        after = clock()
+        assert row is not None
+        if best is None or after - before < best[0]:
+            best = (after - before, float(row[0]) - (before + after) / 2)
+    assert best is not None
+    return best[1]
 
 
 class RestartNotAllowed(Exception):

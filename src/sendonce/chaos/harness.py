@@ -32,7 +32,7 @@ from typing import Any
 
 import psycopg
 
-from sendonce.chaos.database import ChaosDatabase, ChaosServer
+from sendonce.chaos.database import ChaosDatabase, ChaosServer, clock_offset
 from sendonce.chaos.invariants import (
     Check,
     Expectation,
@@ -398,9 +398,10 @@ class Harness:
     def _held_jobs(self, pid: int) -> list[HeldRow] | None:
         """The rows worker ``pid`` holds (claimed, not recorded), with their claim's time (a claim sets
         updated_at, a renewal does not) and their lease's end; None if the database cannot be asked.
-        Both times are the database's: the same clock as the inbox's on one machine."""
+        Both times are the database's, moved onto the inbox's clock (:func:`clock_offset`)."""
         try:
             with psycopg.connect(self.url, connect_timeout=2) as conn:
+                offset = clock_offset(conn)
                 rows = conn.execute(
                     "SELECT job_id, extract(epoch FROM updated_at)::float8, "
                     "extract(epoch FROM lease_expires_at)::float8 FROM sendonce.deliveries "
@@ -409,7 +410,10 @@ class Harness:
                 ).fetchall()
         except psycopg.Error:
             return None
-        return [HeldRow(str(job), float(at), None if until is None else float(until)) for job, at, until in rows]
+        return [
+            HeldRow(str(job), float(at) - offset, None if until is None else float(until) - offset)
+            for job, at, until in rows
+        ]
 
     def in_flight_at_kills(self, *, hook: bool = False) -> list[int | None]:
         """Per external kill (``hook``: per death by the fault hook): how many messages were in

@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 
+from sendonce.chaos.database import clock_offset
 from sendonce.chaos.sinks import Arrival
 
 
@@ -94,11 +95,12 @@ def read_database(
     url: str, account_id: int, campaign_id: int, api_view: dict[str, Any], api_ledger: set[str]
 ) -> DatabaseView:
     with psycopg.connect(url) as conn:
+        offset = clock_offset(conn)  # the ledger's times are compared with the inbox's
         ledger_times: dict[str, list[float]] = defaultdict(list)
         for job_id, at in conn.execute(
             "SELECT job_id, extract(epoch FROM recorded_at)::float8 FROM sendonce.possible_duplicates"
         ).fetchall():
-            ledger_times[str(job_id)].append(float(at))
+            ledger_times[str(job_id)].append(float(at) - offset)
         ledger_attempts = Counter({job: len(times) for job, times in ledger_times.items()})
         ledger = set(ledger_attempts)
         suppressed = {
@@ -377,7 +379,8 @@ def faults_fired(planned: dict[str, float], fired: Counter[str] | dict[str, int]
 
 
 _CLOCKS = 0.005
-"""Seconds of leeway between the inbox's clock and PostgreSQL's (the same host clock, read apart)."""
+"""Seconds of leeway between the inbox's clock and PostgreSQL's, once its offset is taken off (see
+:func:`~sendonce.chaos.database.clock_offset`)."""
 
 
 def _covered(copies: list[float], written: list[float]) -> int:
