@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -948,9 +949,10 @@ async def test_a_death_note_tells_a_row_given_back_from_one_sent_and_unrecorded(
     setup = await campaign_setup(database_url, addresses)
     await _prebuild(database_url)  # both rows queued: one claim takes them
     lock: list[psycopg.Connection[Any]] = []
+    looked = threading.Event()  # set once the worker has been looked at: no lock after that
 
     def reject(address: str) -> str | None:
-        if not lock:
+        if not lock and not looked.is_set():
             # The rows are claimed (a send follows the claim's commit): lock them, so that the
             # records wait and both outcomes stay pending while the worker is looked at.
             conn = psycopg.connect(database_url)
@@ -974,11 +976,12 @@ async def test_a_death_note_tells_a_row_given_back_from_one_sent_and_unrecorded(
             note = death_note(f"{DEATH_NOTE}after_accept {json.dumps({'at': time.time(), **worker._witness()})}\n")
             arrivals = SmtpSink.arrivals_of(inbox, "main")
         finally:
+            looked.set()
             for conn in lock:
-                conn.rollback()
+                conn.rollback()  # the records go through, then the stop
                 conn.close()
-        worker.stop()
-        await asyncio.wait_for(task, 30)
+            worker.stop()
+            await asyncio.wait_for(task, 30)
     assert note is not None and note[1] is not None
     witness = note[1]
     rows = {row.job: row for row in witness.held}

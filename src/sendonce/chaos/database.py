@@ -72,19 +72,29 @@ CREATE TRIGGER chaos_audit_outcome AFTER UPDATE ON sendonce.deliveries FOR EACH 
 
 def clock_offset(conn: psycopg.Connection[Any], clock: Callable[[], float] = time.time) -> float:
     """Seconds by which the database's clock is ahead of ``clock`` (the inbox's, ``time.time()``): a
-    timestamp the database wrote, less this, is on the inbox's clock. Zero on one host, give or take a
-    round trip; against a server elsewhere, whatever their clocks disagree by. The best of a few round
-    trips: its error is at most half the shortest."""
-    best: tuple[float, float] | None = None
+    timestamp the database wrote, less this, is on the inbox's clock.
+
+    Each of five readings of ``clock_timestamp()``, taken between two readings of ``clock``, bounds
+    the offset to an interval as wide as its round trip; the offset is in all of them. On one host
+    (one clock) zero always is, and zero is returned: exact, however slow the round trips. Otherwise
+    the middle of their common part (or, if clock steps left none, of the shortest round trip's)."""
+    low, high = float("-inf"), float("inf")
+    best: tuple[float, float, float] | None = None
     for _ in range(5):
         before = clock()
         row = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
         after = clock()
         assert row is not None
+        at = float(row[0])
+        low, high = max(low, at - after), min(high, at - before)
         if best is None or after - before < best[0]:
-            best = (after - before, float(row[0]) - (before + after) / 2)
+            best = (after - before, at - after, at - before)
     assert best is not None
-    return best[1]
+    if low > high:
+        low, high = best[1], best[2]
+    if low <= 0.0 <= high:
+        return 0.0
+    return (low + high) / 2
 
 
 class RestartNotAllowed(Exception):
