@@ -38,6 +38,7 @@ from tests.helpers import (
     make_account,
     proxy_target,
     run_to_drain,
+    running_worker,
     through_proxy,
 )
 
@@ -960,28 +961,22 @@ async def test_a_death_note_tells_a_row_given_back_from_one_sent_and_unrecorded(
             lock.append(conn)
         return "451 4.7.1 greylisted, try again" if address == refused else None
 
+    config = WorkerConfig(concurrency=1, batch_size=2, **FAST)
     with Inbox(faults=InboxFaults(reject=reject)) as inbox:
-        worker = Worker(
-            database_url,
-            transport_from_url(inbox.url),
-            WorkerConfig(concurrency=1, batch_size=2, **FAST),
-            composer=composer(),
-        )
-        task = asyncio.create_task(worker.run())
-        try:
-            deadline = time.monotonic() + 30
-            while not (len(worker._held) == 2 and all(held.done for held in worker._held.values())):
-                assert time.monotonic() < deadline and not task.done(), "the two outcomes never came"
-                await asyncio.sleep(0.01)
-            note = death_note(f"{DEATH_NOTE}after_accept {json.dumps({'at': time.time(), **worker._witness()})}\n")
-            arrivals = SmtpSink.arrivals_of(inbox, "main")
-        finally:
-            looked.set()
-            for conn in lock:
-                conn.rollback()  # the records go through, then the stop
-                conn.close()
-            worker.stop()
-            await asyncio.wait_for(task, 30)
+        async with running_worker(database_url, transport_from_url(inbox.url), config) as worker:
+            try:
+                deadline = time.monotonic() + 30
+                while not (len(worker._held) == 2 and all(held.done for held in worker._held.values())):
+                    assert time.monotonic() < deadline, "the two outcomes never came"
+                    await asyncio.sleep(0.01)
+                seen = {"at": time.time(), **worker._witness()}
+                note = death_note(f"{DEATH_NOTE}after_accept {json.dumps(seen)}\n")
+                arrivals = SmtpSink.arrivals_of(inbox, "main")
+            finally:
+                looked.set()
+                for conn in lock:
+                    conn.rollback()  # the records go through before the worker is stopped
+                    conn.close()
     assert note is not None and note[1] is not None
     witness = note[1]
     rows = {row.job: row for row in witness.held}
