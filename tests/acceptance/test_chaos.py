@@ -25,10 +25,12 @@ import psycopg
 import pytest
 
 from sendonce.chaos import run
-from sendonce.chaos.database import clock_offset
+from sendonce.chaos.database import AUDIT_SQL, clock_offset
+from sendonce.chaos.harness import held_jobs
+from sendonce.chaos.invariants import read_database
 from sendonce.domain.addresses import parse_address
 from sendonce.domain.states import SuppressionReason
-from sendonce.store import suppressions
+from sendonce.store import outbox, suppressions
 from sendonce.store.database import connect
 from sendonce.store.embedded import EmbeddedPostgres
 from sendonce.testing.inbox import Inbox
@@ -289,3 +291,44 @@ def test_the_databases_timestamps_are_read_on_the_inboxs_clock(database_url: str
         after = time.time() - slow
     assert row is not None
     assert before - 0.005 <= row[0] - offset <= after + 0.005
+
+
+async def test_the_harness_and_the_verdict_move_the_databases_times_onto_the_inboxs_clock(database_url: str) -> None:
+    """What an external kill reads of its victim's rows (claim time, lease end) and what the verdict
+    reads of the ledger (each row's time) come back on the inbox's clock, here an hour slow: they are
+    compared with its arrival times."""
+    setup = await campaign_setup(database_url, ["held@example.test"])
+    assert setup.campaign_id is not None
+    async with await connect(database_url) as conn:
+        await outbox.start_due_campaigns(conn)
+        while isinstance(await outbox.build_next_chunk(conn, 100), outbox.BuildProgress):
+            pass
+    with psycopg.connect(database_url, autocommit=True) as sync:
+        sync.execute(AUDIT_SQL.encode())  # the verdict reads the audit table too
+        before = time.time()
+        row = sync.execute(
+            "UPDATE sendonce.deliveries SET status = 'sending', attempt = attempt + 1, claimed_by = 'host:4242:beef',"
+            " lease_expires_at = now() + interval '5 seconds', updated_at = now()"
+            " RETURNING account_id, delivery_id, attempt, job_id, campaign_id"
+        ).fetchone()
+        assert row is not None
+        sync.execute(
+            "INSERT INTO sendonce.possible_duplicates (account_id, delivery_id, attempt, job_id, campaign_id, reason)"
+            " VALUES (%s, %s, %s, %s, %s, 'test')",
+            row,
+        )
+        after = time.time()
+    slow = 3600.0
+
+    def clock() -> float:
+        return time.time() - slow
+
+    held = held_jobs(database_url, 4242, clock)
+    view = read_database(database_url, setup.account_id, setup.campaign_id, {"status": "sending"}, set(), clock)
+    assert held is not None
+    [claimed] = held
+    assert claimed.job == row[3]
+    assert before - slow - 0.005 <= claimed.claimed <= after - slow + 0.005
+    assert claimed.until is not None and abs(claimed.until - claimed.claimed - 5.0) < 0.01
+    [written] = view.ledger_times[row[3]]
+    assert before - slow - 0.005 <= written <= after - slow + 0.005

@@ -396,24 +396,7 @@ class Harness:
             time.sleep(0.01)
 
     def _held_jobs(self, pid: int) -> list[HeldRow] | None:
-        """The rows worker ``pid`` holds (claimed, not recorded), with their claim's time (a claim sets
-        updated_at, a renewal does not) and their lease's end; None if the database cannot be asked.
-        Both times are the database's, moved onto the inbox's clock (:func:`clock_offset`)."""
-        try:
-            with psycopg.connect(self.url, connect_timeout=2) as conn:
-                offset = clock_offset(conn)
-                rows = conn.execute(
-                    "SELECT job_id, extract(epoch FROM updated_at)::float8, "
-                    "extract(epoch FROM lease_expires_at)::float8 FROM sendonce.deliveries "
-                    "WHERE status = 'sending' AND claimed_by LIKE %s",
-                    (f"%:{pid}:%",),
-                ).fetchall()
-        except psycopg.Error:
-            return None
-        return [
-            HeldRow(str(job), float(at) - offset, None if until is None else float(until) - offset)
-            for job, at, until in rows
-        ]
+        return held_jobs(self.url, pid)
 
     def in_flight_at_kills(self, *, hook: bool = False) -> list[int | None]:
         """Per external kill (``hook``: per death by the fault hook): how many messages were in
@@ -724,6 +707,27 @@ def credit_copies(
                         jobs.append(row.job)
                         break
     return found[: len(external)], found[len(external) :]
+
+
+def held_jobs(url: str, pid: int, clock: Callable[[], float] = time.time) -> list[HeldRow] | None:
+    """The rows worker ``pid`` holds (claimed, not recorded), with their claim's time (a claim sets
+    updated_at, a renewal does not) and their lease's end; None if the database cannot be asked.
+    Both times are the database's, moved onto ``clock``, the inbox's (:func:`clock_offset`)."""
+    try:
+        with psycopg.connect(url, connect_timeout=2) as conn:
+            offset = clock_offset(conn, clock)
+            rows = conn.execute(
+                "SELECT job_id, extract(epoch FROM updated_at)::float8, "
+                "extract(epoch FROM lease_expires_at)::float8 FROM sendonce.deliveries "
+                "WHERE status = 'sending' AND claimed_by LIKE %s",
+                (f"%:{pid}:%",),
+            ).fetchall()
+    except psycopg.Error:
+        return None
+    return [
+        HeldRow(str(job), float(at) - offset, None if until is None else float(until) - offset)
+        for job, at, until in rows
+    ]
 
 
 def by_victims_connection(kill: Witness, row: HeldRow, arrival: Arrival) -> bool:

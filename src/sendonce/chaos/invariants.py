@@ -8,7 +8,9 @@ recorded outcomes (see :mod:`sendonce.chaos.database`) for fencing.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -92,10 +94,17 @@ class Verdict:
 
 
 def read_database(
-    url: str, account_id: int, campaign_id: int, api_view: dict[str, Any], api_ledger: set[str]
+    url: str,
+    account_id: int,
+    campaign_id: int,
+    api_view: dict[str, Any],
+    api_ledger: set[str],
+    clock: Callable[[], float] = time.time,
 ) -> DatabaseView:
+    """What the database says of the run; the ledger's times on ``clock``, the inbox's (they are
+    compared with its arrival times)."""
     with psycopg.connect(url) as conn:
-        offset = clock_offset(conn)  # the ledger's times are compared with the inbox's
+        offset = clock_offset(conn, clock)
         ledger_times: dict[str, list[float]] = defaultdict(list)
         for job_id, at in conn.execute(
             "SELECT job_id, extract(epoch FROM recorded_at)::float8 FROM sendonce.possible_duplicates"
