@@ -308,8 +308,9 @@ async def test_the_harness_and_the_verdict_move_the_databases_times_onto_the_inb
         before = time.time()
         row = sync.execute(
             "UPDATE sendonce.deliveries SET status = 'sending', attempt = attempt + 1, claimed_by = 'host:4242:beef',"
-            " lease_expires_at = now() + interval '5 seconds', updated_at = now()"
-            " RETURNING account_id, delivery_id, attempt, job_id, campaign_id"
+            " lease_expires_at = now() + interval '5 seconds', updated_at = now() WHERE campaign_id = %s"
+            " RETURNING account_id, delivery_id, attempt, job_id, campaign_id",
+            (setup.campaign_id,),
         ).fetchone()
         assert row is not None
         sync.execute(

@@ -374,7 +374,7 @@ class Harness:
             self.babysit()  # it died meanwhile (the fault hook): replace it, and pick again
         # Dead now: what it held cannot change until its leases expire (seconds away). Those of them
         # the inbox has (it sent them, and could not record them) were in flight: see in_flight_bound.
-        self.held_at_kills.append(Witness(time.time(), self._held_jobs(victim.pid)))
+        self.held_at_kills.append(Witness(time.time(), held_jobs(self.url, victim.pid)))
         if role == "worker":
             self.procs.spawn_worker(self.sink.url(), faults=self.worker_faults)
         return victim
@@ -394,9 +394,6 @@ class Harness:
                 return self.rng.choice(live)
             self.babysit()
             time.sleep(0.01)
-
-    def _held_jobs(self, pid: int) -> list[HeldRow] | None:
-        return held_jobs(self.url, pid)
 
     def in_flight_at_kills(self, *, hook: bool = False) -> list[int | None]:
         """Per external kill (``hook``: per death by the fault hook): how many messages were in
