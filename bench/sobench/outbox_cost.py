@@ -22,17 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
-import psycopg
 from psycopg import AsyncConnection
 
-from sobench import lean
-from sobench.content import FROM_EMAIL, FROM_NAME, HTML, SUBJECT, TEXT
+from sobench import lean, runners
 
 BUILD_CHUNK = 1000
 
@@ -51,52 +48,19 @@ async def _value(conn: Any, statement: str, params: tuple[Any, ...] = ()) -> Any
 
 
 def fill(url: str, n: int) -> None:
-    from sendonce.store.migrations import upgrade
-
-    upgrade(url)
-    with psycopg.connect(url, autocommit=True) as conn:
-        account = conn.execute(
-            "INSERT INTO sendonce.accounts (name, api_key_hash, from_email, from_name) "
-            "VALUES ('outbox cost', %s, %s, %s) RETURNING account_id",
-            (os.urandom(32), FROM_EMAIL, FROM_NAME),
-        ).fetchone()[0]  # type: ignore[index]
-        list_id = conn.execute(
-            "INSERT INTO sendonce.lists (account_id, name) VALUES (%s, 'everyone') RETURNING list_id", (account,)
-        ).fetchone()[0]  # type: ignore[index]
-        conn.execute(
-            """INSERT INTO sendonce.subscribers (account_id, email, email_key, name)
-               SELECT %(a)s, e, e, 'User ' || i
-                 FROM generate_series(1, %(n)s) AS i,
-                      LATERAL (SELECT 'user' || lpad(i::text, 7, '0') || '@example.test' AS e) AS x
-                ORDER BY i""",
-            {"a": account, "n": n},
-        )
-        conn.execute(
-            "INSERT INTO sendonce.list_members (account_id, list_id, subscriber_id) "
-            "SELECT account_id, %s, subscriber_id FROM sendonce.subscribers WHERE account_id = %s",
-            (list_id, account),
-        )
-        campaign = conn.execute(
-            "INSERT INTO sendonce.campaigns (account_id, name, subject, text_body, html_body, from_email, from_name) "
-            "VALUES (%s, 'November news', %s, %s, %s, %s, %s) RETURNING campaign_id",
-            (account, SUBJECT, TEXT, HTML, FROM_EMAIL, FROM_NAME),
-        ).fetchone()[0]  # type: ignore[index]
-        conn.execute(
-            "INSERT INTO sendonce.campaign_lists (account_id, campaign_id, list_id) VALUES (%s, %s, %s)",
-            (account, campaign, list_id),
-        )
-        conn.execute("VACUUM ANALYZE")
-    asyncio.run(_start(url, account, campaign))
+    """The benchmark's list and campaign (sobench/runners.py), approved and started."""
+    account_id, list_id = runners.fill_sendonce(url, n)
+    campaign_id = runners.new_campaign(url, account_id, list_id)
+    asyncio.run(_start(url, account_id, campaign_id))
 
 
-async def _start(url: str, account: int, campaign: int) -> None:
-    from sendonce.store import campaigns, outbox
+async def _start(url: str, account_id: int, campaign_id: int) -> None:
+    from sendonce.store import outbox
     from sendonce.store.database import connect
 
+    await runners.approve(url, account_id, campaign_id)
     async with await connect(url) as conn:
-        if not (await campaigns.transition(conn, account, campaign, "approve")).won:
-            raise RuntimeError("could not approve the campaign")
-        if (account, campaign) not in await outbox.start_due_campaigns(conn):
+        if (account_id, campaign_id) not in await outbox.start_due_campaigns(conn):
             raise RuntimeError("the campaign did not start")
 
 

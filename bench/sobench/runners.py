@@ -402,10 +402,17 @@ def _collect_logs(logs: list[Path]) -> dict[str, Any]:
 
 def setup_sendonce(ctx: Context, url: str, n: int) -> float:
     """Schema, one account, one list of ``n`` confirmed subscribers (bulk SQL). Returns seconds taken."""
-    from sendonce.store.migrations import upgrade
-
     started = time.monotonic()
     ctx.sendonce_url = url
+    ctx.account_id, ctx.list_id = fill_sendonce(url, n)
+    return time.monotonic() - started
+
+
+def fill_sendonce(url: str, n: int) -> tuple[int, int]:
+    """sendonce's migrations (of the sendonce on the path), one account and one list of ``n`` confirmed
+    subscribers, by bulk SQL. Returns (account_id, list_id)."""
+    from sendonce.store.migrations import upgrade
+
     upgrade(url)
     with psycopg.connect(url, autocommit=True) as conn:
         row = conn.execute(
@@ -414,32 +421,33 @@ def setup_sendonce(ctx: Context, url: str, n: int) -> float:
             (os.urandom(32), FROM_EMAIL, FROM_NAME),
         ).fetchone()
         assert row is not None
-        ctx.account_id = int(row[0])
+        account_id = int(row[0])
         row = conn.execute(
             f"INSERT {MARK} INTO sendonce.lists (account_id, name) VALUES (%s, 'everyone') RETURNING list_id",
-            (ctx.account_id,),
+            (account_id,),
         ).fetchone()
         assert row is not None
-        ctx.list_id = int(row[0])
+        list_id = int(row[0])
         conn.execute(
             f"""INSERT {MARK} INTO sendonce.subscribers (account_id, email, email_key, name)
                 SELECT %(a)s, e, e, 'User ' || i
                   FROM generate_series(1, %(n)s) AS i,
                        LATERAL (SELECT 'user' || lpad(i::text, 7, '0') || '@example.test' AS e) AS x
                  ORDER BY i""",
-            {"a": ctx.account_id, "n": n},
+            {"a": account_id, "n": n},
         )
         conn.execute(
             f"""INSERT {MARK} INTO sendonce.list_members (account_id, list_id, subscriber_id)
                 SELECT account_id, %s, subscriber_id FROM sendonce.subscribers WHERE account_id = %s""",
-            (ctx.list_id, ctx.account_id),
+            (list_id, account_id),
         )
         conn.execute(f"{MARK} VACUUM ANALYZE")
-    return time.monotonic() - started
+    return account_id, list_id
 
 
-def _new_campaign(ctx: Context) -> int:
-    with psycopg.connect(ctx.sendonce_url, autocommit=True) as conn:
+def new_campaign(url: str, account_id: int, list_id: int) -> int:
+    """The benchmark's campaign to the list, in draft (the outbox emptied of earlier runs' rows)."""
+    with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(
             f"""TRUNCATE {MARK} sendonce.possible_duplicates, sendonce.deliveries, sendonce.campaign_lists,
                                 sendonce.campaigns"""
@@ -448,18 +456,18 @@ def _new_campaign(ctx: Context) -> int:
             f"""INSERT {MARK} INTO sendonce.campaigns (account_id, name, subject, text_body, html_body,
                                                       from_email, from_name)
                 VALUES (%s, 'November news', %s, %s, %s, %s, %s) RETURNING campaign_id""",
-            (ctx.account_id, SUBJECT, TEXT, HTML, FROM_EMAIL, FROM_NAME),
+            (account_id, SUBJECT, TEXT, HTML, FROM_EMAIL, FROM_NAME),
         ).fetchone()
         assert row is not None
         campaign_id = int(row[0])
         conn.execute(
             f"INSERT {MARK} INTO sendonce.campaign_lists (account_id, campaign_id, list_id) VALUES (%s, %s, %s)",
-            (ctx.account_id, campaign_id, ctx.list_id),
+            (account_id, campaign_id, list_id),
         )
     return campaign_id
 
 
-async def _approve(url: str, account_id: int, campaign_id: int) -> None:
+async def approve(url: str, account_id: int, campaign_id: int) -> None:
     from sendonce.store import campaigns
     from sendonce.store.database import connect
 
@@ -478,7 +486,7 @@ def run_sendonce(
     ctx: Context, workers: int, concurrency: int, n: int, *, profile: Path | None = None, profile_rate: int = 100
 ) -> RunResult:
     name = f"sendonce-{workers}x{concurrency}" + ("-profiled" if profile else "")
-    campaign_id = _new_campaign(ctx)
+    campaign_id = new_campaign(ctx.sendonce_url, ctx.account_id, ctx.list_id)
     sink = Sink(ctx.log_dir, ctx.sink_binary, name)
     env = ctx.env(
         SENDONCE_DATABASE_URL=ctx.sendonce_url,
@@ -508,7 +516,7 @@ def run_sendonce(
         cpu0, pg0, sink0 = _cpu(pids), ctx.server.cpu_seconds(), cpu_seconds(sink.proc.pid)
         spy_cpu0 = cpu_seconds(spy.pid) if spy is not None else 0.0
         load = OtherLoad()
-        asyncio.run(_approve(ctx.sendonce_url, ctx.account_id, campaign_id))
+        asyncio.run(approve(ctx.sendonce_url, ctx.account_id, campaign_id))
 
         conn = psycopg.connect(ctx.sendonce_url, autocommit=True)
 
