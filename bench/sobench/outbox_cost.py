@@ -100,6 +100,8 @@ async def sendonce_steps(url: str, claim: int) -> tuple[list[AsyncConnection[Any
         batch = await outbox.claim_batch(
             claimer, limit=claim, lease_seconds=3600, worker="outbox-cost", transport_idempotent=False, after=after
         )
+        if any(d.blocked for d in batch):  # none is suppressed in this campaign: recording it would be wrong
+            raise RuntimeError("a claimed row was blocked")
         now = datetime.now(UTC)
         return [outbox.SentRecord(d.account_id, d.delivery_id, d.attempt, "250 2.0.0 Ok", now) for d in batch]
 
