@@ -1,8 +1,8 @@
-"""One variant of ``bench/outbox_cost.py``: sendonce's own claim and record, serially, on one connection.
+"""One version of ``bench/outbox_cost.py``: sendonce's own claim and record, serially.
 
 ``python -m sobench.outbox_cost URL RECIPIENTS CLAIM RECORD [lean]``, with the sendonce to measure
-first on ``PYTHONPATH``. It applies that sendonce's migrations to URL's database, adds one account, one list of
-RECIPIENTS confirmed subscribers (bulk SQL) and one campaign, approves and starts it, builds its
+first on ``PYTHONPATH``. It applies that sendonce's migrations to URL's database, adds one account,
+one list of RECIPIENTS confirmed subscribers (bulk SQL) and one campaign, approves and starts it, builds its
 recipient list with sendonce's builder (chunks of 1,000) and vacuums. It prints one JSON line (the
 build's backend CPU), then, for each line ``go N`` on stdin, claims batches of CLAIM with sendonce's
 ``claim_batch`` on one connection and records each batch's rows as sent in groups of RECORD with
