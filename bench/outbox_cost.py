@@ -1,13 +1,14 @@
 """PostgreSQL's own cost of a campaign row's claim and record, for one or more versions of sendonce.
 
     python bench/outbox_cost.py [--database-url URL] [--recipients N] [--claim 20] [--record 10]
-                                [--segment 500] [--tag TAG] [NAME=SRC ...]
+                                [--segment 500] [--lean] [--tag TAG] [NAME=SRC ...]
 
 Each NAME=SRC is a sendonce source folder (the folder that holds the ``sendonce`` package, e.g. the
 ``src`` of a git worktree); with none, this checkout's. Each gets a database of its own on one server
 (a scratch PostgreSQL 18, or URL's, which must run on this machine), its own migrations, a campaign of
 N recipients built by its own builder, and a process (``sobench/outbox_cost.py``) that claims and
-records with its own statements, serially, on one connection: no SMTP, no worker around them.
+records with its own statements, serially, on a claimer's and a recorder's connection: no SMTP, no
+worker around them.
 
 The processes take turns, SEGMENT recorded rows each, until every queue is empty, so that the
 machine's drift (this kind of machine wanders by ±20% over minutes) falls on every version alike.
@@ -67,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lean", action="store_true", help="add the lean loop's claim and record, for comparison")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
+    for name in ("recipients", "claim", "record", "segment"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
     for text in args.variants:
         name, sep, src = text.partition("=")
         if not sep or not name or not (Path(src) / "sendonce" / "__init__.py").is_file():
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = (str(n) for n in (args.recipients, args.claim, args.record))
         v.proc = CHILDREN.spawn(
             [sys.executable, "-m", "sobench.outbox_cost", url, *sizes, v.kind],
-            env=env, log=log_dir / f"{i}.log", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=env, log=log_dir / f"{i}.log", stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=BENCH_DIR,
         )  # fmt: skip
         built = _line(v)
         v.build_cpu, v.inserted = built["build_cpu"], built["inserted"]
