@@ -46,6 +46,7 @@ class Variant:
     kind: str = "sendonce"
     """'sendonce', or 'lean': the lean loop's statements and table (sobench/lean.py)."""
     proc: subprocess.Popen[Any] | None = None
+    log: Path | None = None
     build_cpu: float | None = 0.0
     inserted: int = 0
     claim: float = 0.0
@@ -82,7 +83,7 @@ def _line(v: Variant) -> dict[str, Any]:
     assert v.proc is not None and v.proc.stdout is not None
     text = v.proc.stdout.readline()
     if not text:
-        raise RuntimeError(f"{v.name}: its process ended (exit {v.proc.wait()}); see bench/.cache/logs")
+        raise RuntimeError(f"{v.name}: its process ended (exit {v.proc.wait()}); see {v.log}")
     return dict(json.loads(text))
 
 
@@ -103,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(v.src), str(BENCH_DIR)))}
         print(f"{v.name}: its table, {args.recipients:,} rows …", file=sys.stderr)
         sizes = (str(n) for n in (args.recipients, args.claim, args.record))
+        v.log = log_dir / f"{i}.log"
         v.proc = CHILDREN.spawn(
             [sys.executable, "-m", "sobench.outbox_cost", url, *sizes, v.kind],
-            env=env, log=log_dir / f"{i}.log", stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=BENCH_DIR,
+            env=env, log=v.log, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=BENCH_DIR,
         )  # fmt: skip
         built = _line(v)
         v.build_cpu, v.inserted = built["build_cpu"], built["inserted"]

@@ -3,7 +3,7 @@
 ``python -m sobench.outbox_cost URL RECIPIENTS CLAIM RECORD [lean]``, with the sendonce to measure
 first on ``PYTHONPATH``. It applies that sendonce's migrations to URL's database, adds one account,
 one list of RECIPIENTS confirmed subscribers (bulk SQL) and one campaign, approves and starts it, builds its
-recipient list with sendonce's builder (chunks of 1,000) and vacuums. It prints one JSON line (the
+recipient list with sendonce's builder (in a worker's chunks) and vacuums. It prints one JSON line (the
 build's backend CPU), then, for each line ``go N`` on stdin, claims batches of CLAIM with sendonce's
 ``claim_batch`` on one connection and records each batch's rows as sent in groups of RECORD with
 ``record_sent`` on another, until N rows are recorded or none is left, and prints one JSON line: the
@@ -24,14 +24,13 @@ import asyncio
 import json
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
 
 from psycopg import AsyncConnection
 
 from sobench import lean, runners
-
-BUILD_CHUNK = 1000
 
 
 def backend_cpu(pid: int) -> float:
@@ -66,14 +65,17 @@ async def _start(url: str, account_id: int, campaign_id: int) -> None:
 
 async def build(url: str) -> tuple[float, int]:
     """The recipient list, by sendonce's builder: (backend CPU seconds, rows inserted)."""
+    from sendonce.delivery.worker import WorkerConfig
     from sendonce.store import outbox
     from sendonce.store.database import connect
 
     async with await connect(url) as conn:
         pid = int(await _value(conn, "SELECT pg_backend_pid()"))
+        chunk = next(f.default for f in fields(WorkerConfig) if f.name == "build_chunk")  # a worker's chunks
+        assert isinstance(chunk, int)
         start, inserted = backend_cpu(pid), 0
         while True:
-            progress = await outbox.build_next_chunk(conn, BUILD_CHUNK)
+            progress = await outbox.build_next_chunk(conn, chunk)
             if isinstance(progress, str):
                 raise RuntimeError(f"the builder found nothing to build ({progress})")
             inserted += progress.inserted
