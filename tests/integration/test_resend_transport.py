@@ -133,14 +133,16 @@ async def test_a_server_error_is_about_the_message_and_uncertain() -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "name", "uncertain", "transport_wide"),
+    ("status", "name", "uncertain", "transport_wide", "sender_wide"),
     [
-        (503, "service_unavailable", True, True),  # the provider is down: it may have taken it, even so
-        (502, "bad_gateway", True, True),
-        (403, "validation_error", False, False),  # the account's domain, not every account's: counted
+        (503, "service_unavailable", True, True, False),  # the provider is down: it may have taken it, even so
+        (502, "bad_gateway", True, True, False),
+        (403, "validation_error", False, False, True),  # the account's domain, not every account's
     ],
 )
-async def test_how_a_provider_answer_is_read(status: int, name: str, uncertain: bool, transport_wide: bool) -> None:
+async def test_how_a_provider_answer_is_read(
+    status: int, name: str, uncertain: bool, transport_wide: bool, sender_wide: bool
+) -> None:
     """The statuses the test provider does not make, from a real HTTP server that answers them."""
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -162,5 +164,22 @@ async def test_how_a_provider_answer_is_read(status: int, name: str, uncertain: 
     port = server.sockets[0].getsockname()[1]
     async with server:
         outcome = await _send_to(port)
-    assert (outcome.uncertain, outcome.transport_wide) == (uncertain, transport_wide), outcome
+    assert (outcome.uncertain, outcome.transport_wide, outcome.sender_wide) == (uncertain, transport_wide, sender_wide)
     assert outcome.error.startswith(str(status))
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [("7", 7.0), ("-3", 0.0), ("inf", None), ("nan", None), ("soon", None), ("Fri, 31 Dec 9999 23:59:59 GMT", 2.5e11)],
+    ids=["seconds", "negative", "inf", "nan", "not-a-number", "a-date-in-9999"],
+)
+async def test_a_retry_after_is_read_as_a_number_of_seconds_or_not_at_all(header: str, seconds: float | None) -> None:
+    """RFC 9110: a number of seconds or an HTTP-date. "inf" and "nan" are neither, though float()
+    takes them; how far ahead a valid one may reach is the worker's to limit (its backoff cap)."""
+    with ResendServer(faults=ResendFaults(server_error=1.0, server_error_retry_after=header)) as provider:
+        outcome = await _send(provider.url, _message())
+    assert isinstance(outcome, Retry), outcome
+    if seconds is None or seconds < 1e10:
+        assert outcome.retry_after == seconds
+    else:
+        assert outcome.retry_after is not None and outcome.retry_after > seconds

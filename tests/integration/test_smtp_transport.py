@@ -565,3 +565,33 @@ async def test_a_421_at_any_step_is_transport_wide(pipelining: bool) -> None:
             await channel.close()
     assert isinstance(outcome, Retry) and outcome.transport_wide and not outcome.uncertain, outcome
     assert outcome.error.startswith("rcpt: 421")
+
+
+@MODES
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ("530 5.7.0 Authentication required", "transport_wide"),
+        ("553 5.7.1 Sender address rejected: not owned by user", "sender_wide"),
+        ("550 5.7.1 Client host rejected: access denied", "sender_wide"),
+        ("552 5.3.4 Message size exceeds fixed limit", "permanent"),
+    ],
+    ids=["530-login-required", "553-sender-rejected", "550-client-rejected", "552-this-message"],
+)
+async def test_a_refused_sender_is_not_the_recipients_bounce(pipelining: bool, reply: str, expected: str) -> None:
+    """A 5xx to MAIL FROM refuses the sender, the login or this client, never the recipient: it was a
+    permanent failure of each message in turn, which ended a whole campaign failed on a relay's
+    setting. Only a reply about this message itself (its size, its parameters) fails it."""
+    with Inbox(faults=InboxFaults(refuse_sender=lambda _: reply)) as inbox:
+        channel = _channel(inbox, pipelining=pipelining)
+        try:
+            outcome = await channel.send(_message(1), timeout=5)
+        finally:
+            await channel.close()
+        assert inbox.messages == []
+    assert outcome.error.startswith(f"mail: {reply[:3]}"), outcome
+    if expected == "permanent":
+        assert isinstance(outcome, Permanent) and not outcome.hard_bounce, outcome
+        return
+    assert isinstance(outcome, Retry) and not outcome.uncertain, outcome
+    assert (outcome.transport_wide, outcome.sender_wide) == (expected == "transport_wide", expected == "sender_wide")

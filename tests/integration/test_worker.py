@@ -22,7 +22,7 @@ from sendonce.delivery.metrics import WorkerCollector
 from sendonce.delivery.worker import Held, Worker, WorkerConfig, _Lane, _Result
 from sendonce.faults import DEATH_NOTE
 from sendonce.outbox import enqueue_async
-from sendonce.store import campaigns, outbox
+from sendonce.store import alerts, campaigns, outbox
 from sendonce.store.database import Conn, connect
 from sendonce.store.rate_limits import Rate
 from sendonce.testing.inbox import Inbox, InboxFaults
@@ -385,6 +385,82 @@ async def test_a_relay_that_is_down_holds_the_mail_and_is_probed_not_hammered(da
     assert registry.get_sample_value("sendonce_worker_transport_outage_seconds") == 0
     _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
     assert (counts.sent, counts.failed) == (40, 0)
+
+
+async def test_a_relay_that_refuses_the_sender_pauses_the_campaign_and_loses_nothing(database_url: str) -> None:
+    # The relay refuses the campaign's sender (a 5xx to MAIL FROM: not allowed to send for that
+    # domain). It used to fail every row in turn on its first try, and the campaign ended "sent" with
+    # nothing delivered. The campaign pauses instead, saying why, with an alert; no row fails or is
+    # counted; once the relay is fixed a resume sends each address once.
+    addresses = emails(20)
+    setup = await campaign_setup(database_url, addresses)
+    refusing = True
+    faults = InboxFaults(refuse_sender=lambda _: "553 5.7.1 Sender address rejected" if refusing else None)
+    config = WorkerConfig(concurrency=2, batch_size=5, drain=True, max_failures=2, **FAST)
+    with Inbox(faults=faults) as inbox:
+        await run_to_drain(database_url, transport_from_url(inbox.url), config)  # drained: nothing it may send
+        assert inbox.messages == []
+        async with await connect(database_url) as conn:
+            campaign = await campaigns.get_campaign(conn, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+            rows = await (
+                await conn.execute(
+                    "SELECT status::text, failures, count(*) AS n FROM sendonce.deliveries GROUP BY 1, 2"
+                )
+            ).fetchall()
+            raised = await alerts.list_alerts(conn, setup.account_id)  # type: ignore[arg-type]
+        assert campaign is not None and campaign.status.value == "paused"
+        assert "553 5.7.1 Sender address rejected" in (campaign.paused_reason or ""), campaign.paused_reason
+        assert rows == [{"status": "queued", "failures": 0, "n": 20}]
+        assert [(a["kind"], a["detail"]["sender_refused"]) for a in raised] == [("campaign_paused", True)]
+        refusing = False  # the operator fixes the relay, then resumes
+        async with await connect(database_url) as conn:
+            resumed = await campaigns.transition(conn, setup.account_id, setup.campaign_id, "resume")  # type: ignore[arg-type]
+            assert resumed.won
+        await run_to_drain(database_url, transport_from_url(inbox.url), config)
+        received = inbox.by_recipient()
+    assert received == dict.fromkeys(addresses, 1)
+    status, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert (status, counts.sent, counts.failed) == ("sent", 20, 0)
+
+
+async def test_a_refused_sender_of_a_transactional_message_is_retried_counted(database_url: str) -> None:
+    # No campaign to pause: the message is retried like any other transient failure, and fails after
+    # its tries (retried uncounted, it would be tried for ever).
+    async with await connect(database_url) as conn:
+        account_id, _ = await make_account(conn)
+        await enqueue_async(conn, account_id=account_id, to="t@example.test", subject="s", text="t", key="k")
+    faults = InboxFaults(refuse_sender=lambda _: "550 5.7.1 Sender rejected")
+    with Inbox(faults=faults) as inbox:
+        config = WorkerConfig(drain=True, max_failures=2, **FAST)
+        await run_to_drain(database_url, transport_from_url(inbox.url), config)
+        assert faults.counts["sender_refused"] == 2
+    async with await connect(database_url) as conn:
+        row = await (
+            await conn.execute("SELECT status::text, failures, last_error FROM sendonce.deliveries")
+        ).fetchone()
+    assert row is not None and row["status"] == "failed", row
+    assert row["last_error"].startswith("gave up after 2 failures: mail: 550"), row
+
+
+@pytest.mark.parametrize(
+    "retry_after",
+    ["1e300", "1e9", "Fri, 31 Dec 9999 23:59:59 GMT", "inf", "nan"],
+    ids=["1e300", "1e9", "a-date-in-9999", "inf", "nan"],
+)
+async def test_a_providers_retry_after_cannot_park_a_row_past_the_backoff_cap(
+    database_url: str, retry_after: str
+) -> None:
+    # A 500 asking for a Retry-After beyond any interval PostgreSQL can hold (1e300) made the record
+    # fail: the worker crashed, and so did every worker the re-sent row met. A large valid one parked
+    # the row for decades, and its campaign stayed "sending". The worker honours it up to its cap.
+    setup = await campaign_setup(database_url, emails(2))
+    faults = ResendFaults(server_error=1.0, server_error_retry_after=retry_after)
+    with ResendServer(faults=faults) as provider:
+        config = WorkerConfig(drain=True, max_failures=3, **FAST)
+        await run_to_drain(database_url, transport_from_url(provider.url), config, timeout=30)
+        assert faults.counts["500"] == 2 * 3
+    status, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert (status, counts.failed) == ("sent", 2)
 
 
 @pytest.mark.parametrize("transport", ["smtp", "resend"])

@@ -78,6 +78,7 @@ class WorkerConfig:
     """Transient failures of one message before it is failed for good."""
     backoff_base: float = 2.0
     backoff_cap: float = 900.0
+    """Longest wait between two tries of one message (before jitter), a provider's Retry-After included."""
     build_chunk: int = 1000
     """Subscribers examined per recipient-list build transaction."""
     record_interval: float = 0.002
@@ -807,10 +808,12 @@ class Worker:
     # -- recorder ------------------------------------------------------------------------------
 
     def _backoff(self, failures: int, retry_after: float | None) -> float:
-        delay = min(self.config.backoff_cap, self.config.backoff_base * 2.0 ** max(failures, 0))
-        delay *= random.uniform(0.5, 1.5)
+        """Seconds before a message's next try: never past ``backoff_cap``, however long a provider's
+        Retry-After asks for (a date years ahead would park the row, and its campaign, that long)."""
+        cap = self.config.backoff_cap
+        delay = min(cap, self.config.backoff_base * 2.0 ** max(failures, 0)) * random.uniform(0.5, 1.5)
         if retry_after is not None:
-            delay = max(delay, retry_after)
+            delay = max(delay, min(retry_after, cap))
         return delay
 
     def _recorder_lane(self) -> _Lane:
@@ -885,6 +888,7 @@ class Worker:
         # that of this worker's new claim of it. The statements fence by attempt, so at most the
         # latest attempt's outcome is the one a returned row stands for.
         latest: dict[Key, int] = {}
+        refused_senders: dict[tuple[int, int], str] = {}  # campaign -> why its sender was refused
         for result in results:
             d = result.held.delivery
             latest[d.key] = max(latest.get(d.key, 0), d.attempt)
@@ -899,6 +903,15 @@ class Worker:
                 retry.append(
                     RetryRecord(
                         d.account_id, d.delivery_id, d.attempt, delay, outcome.error, outcome.uncertain, counted=False
+                    )
+                )
+            elif isinstance(outcome, Retry) and outcome.sender_wide and d.campaign_id is not None:
+                # Every row of this campaign would fail alike, each after its tries: the campaign
+                # pauses (in this transaction) and the row goes back uncounted, for its resume.
+                refused_senders[(d.account_id, d.campaign_id)] = outcome.error
+                retry.append(
+                    RetryRecord(
+                        d.account_id, d.delivery_id, d.attempt, 0.0, outcome.error, outcome.uncertain, counted=False
                     )
                 )
             elif isinstance(outcome, Retry):
@@ -923,13 +936,20 @@ class Worker:
         # One transaction: a group is recorded whole or not at all, so a group retried after a failure
         # (an outage, a deadlock between recorders) never counts a failure twice. Most groups are all
         # "sent": one statement, atomic by itself, without the round trips of BEGIN and COMMIT.
-        kinds = sum(1 for part in (sent, retry, failed, release) if part)
+        kinds = sum(1 for part in (sent, retry, failed, release, refused_senders) if part)
+        paused: list[tuple[int, dict[str, Any]]] = []
         async with conn.transaction() if kinds > 1 else contextlib.nullcontext():
             recorded_sent = await outbox.record_sent(conn, sent)
             recorded_retry = await outbox.record_retry(conn, retry)
             failed_outcome = await outbox.record_failed(conn, failed)
             recorded_failed = failed_outcome.recorded
             released = await outbox.release_claims(conn, release)
+            for (account_id, campaign_id), error in sorted(refused_senders.items()):
+                alert = await feedback.pause_for_refused_sender(conn, account_id, campaign_id, error)
+                if alert is not None:
+                    paused.append((account_id, alert))
+        for account_id, alert in paused:
+            self._paused_campaign(account_id, alert)
         self._dirty_campaigns |= failed_outcome.bounced_campaigns
         await self._check_campaigns(conn)
 
@@ -997,18 +1017,21 @@ class Worker:
             self._last_check[key] = started = time.monotonic()
             alert = await feedback.check_campaign(conn, key[0], key[1], self.config.feedback)
             self._check_interval = max(0.2, 10 * (time.monotonic() - started))
-            if alert is None:
-                continue
-            logger.warning(
-                "campaign %s paused: %s",
-                key[1],
-                alert["detail"]["reason"],
-                extra={"action": "campaign_paused", "account_id": key[0]},
-            )
-            if self.config.alert_webhook_url:
-                task = asyncio.create_task(post_alert(self.config.alert_webhook_url, key[0], alert))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+            if alert is not None:
+                self._paused_campaign(key[0], alert)
+
+    def _paused_campaign(self, account_id: int, alert: dict[str, Any]) -> None:
+        """Say that this worker paused a campaign (an alert, already stored), and post the alert."""
+        logger.warning(
+            "campaign %s paused: %s",
+            alert["detail"]["campaign_id"],
+            alert["detail"]["reason"],
+            extra={"action": "campaign_paused", "account_id": account_id},
+        )
+        if self.config.alert_webhook_url:
+            task = asyncio.create_task(post_alert(self.config.alert_webhook_url, account_id, alert))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     # -- housekeeper ---------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@
 * a complaint suppresses at once (reason ``complaint``) and unsubscribes the subscriber;
 * soft bounces are counted; ``soft_bounce_limit`` of them within ``soft_bounce_period`` suppress;
 * a sending campaign whose bounce or complaint rate passes its limit is paused (CAS) and an alert
-  raised, once it has attempted at least ``min_sample`` messages.
+  raised, once it has attempted at least ``min_sample`` messages;
+* so is a campaign whose sender the transport refuses (a 5xx to MAIL FROM, a provider's 403).
 """
 
 from __future__ import annotations
@@ -173,18 +174,38 @@ async def check_campaign(
         reason = f"complaint rate {complaint_rate:.2%} is over its limit of {row['max_complaint_rate']:.2%}"
     else:
         return None
+    return await _pause(
+        conn,
+        account_id,
+        campaign_id,
+        {"reason": reason, "attempted": attempted, "bounces": row["bounces"], "complaints": row["complaints"]},
+    )
+
+
+async def pause_for_refused_sender(conn: Conn, account_id: int, campaign_id: int, error: str) -> dict[str, Any] | None:
+    """Pause a sending campaign whose sender the transport refuses (see ``Retry.sender_wide``), rather
+    than fail its rows one by one; returns the new alert. Its rows wait, queued, for the resume."""
+    return await _pause(
+        conn,
+        account_id,
+        campaign_id,
+        {"reason": f"the transport refuses the campaign's sender: {error}"[:1000], "sender_refused": True},
+    )
+
+
+async def _pause(conn: Conn, account_id: int, campaign_id: int, detail: dict[str, Any]) -> dict[str, Any] | None:
     paused = await _one(
-        conn, "pause_campaign_for_feedback", {"account_id": account_id, "campaign_id": campaign_id, "reason": reason}
+        conn,
+        "pause_campaign_with_reason",
+        {"account_id": account_id, "campaign_id": campaign_id, "reason": detail["reason"]},
     )
     if paused is None:  # someone else paused (or finished) it first
         return None
-    detail = {
-        "campaign_id": campaign_id,
-        "reason": reason,
-        "attempted": attempted,
-        "bounces": row["bounces"],
-        "complaints": row["complaints"],
-    }
     return await alerts.raise_alert(
-        conn, account_id, "campaign_paused", f"campaign:{campaign_id}", str(time.time_ns()), detail
+        conn,
+        account_id,
+        "campaign_paused",
+        f"campaign:{campaign_id}",
+        str(time.time_ns()),
+        {"campaign_id": campaign_id, **detail},
     )

@@ -81,6 +81,8 @@ class InboxFaults:
     scenario can still act while it is sending."""
     reject: Callable[[str], str | None] | None = None
     """Called with each RCPT address; a returned SMTP reply (``"550 ..."``) rejects it."""
+    refuse_sender: Callable[[str], str | None] | None = None
+    """Called with each MAIL FROM address; a returned SMTP reply (``"553 ..."``) refuses it."""
     seed: int | None = None
     counts: Counter[str] = field(default_factory=Counter)
     ambiguous: Counter[str] = field(default_factory=Counter)
@@ -117,6 +119,12 @@ class _Handler:
         pending = getattr(server._reader, "_buffer", b"")  # a test inbox may peek at its reader
         if bytes(pending[:5]).upper() == b"RCPT ":
             self.inbox.pipelined_envelopes += 1
+        faults = self.inbox.faults
+        if faults.refuse_sender is not None:
+            reply = faults.refuse_sender(address)
+            if reply:
+                faults.counts["sender_refused"] += 1
+                return reply
         envelope.mail_from = address
         envelope.mail_options.extend(mail_options)
         return "250 OK"

@@ -54,6 +54,8 @@ class AcceptedEmail:
 class ResendFaults:
     rate_limited: float = 0.0
     server_error: float = 0.0
+    server_error_retry_after: str | None = None
+    """The Retry-After header of a 500 answer (none if None)."""
     accept_then_stall: float = 0.0
     stall_seconds: float = 5.0
     delay_seconds: float = 0.0
@@ -110,7 +112,12 @@ class ResendServer:
             )
         if faults.roll(faults.server_error):
             faults.counts["500"] += 1
-            return JSONResponse({"name": "internal_server_error", "message": "oops"}, status_code=500)
+            retry_after = faults.server_error_retry_after
+            return JSONResponse(
+                {"name": "internal_server_error", "message": "oops"},
+                status_code=500,
+                headers={"Retry-After": retry_after} if retry_after is not None else None,
+            )
         key = request.headers.get("idempotency-key")
         digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
         with self._lock:

@@ -48,6 +48,11 @@ class Retry:
     """The failure says nothing about this message: the transport is unreachable, refuses us (a
     login, a revoked API key) or asks us to slow down. It does not count against the message's
     failures, and the worker's lanes pause before their next try (the outage's backoff)."""
+    sender_wide: bool = False
+    """The failure is the sender's, not this message's nor its recipient's: the relay refuses the
+    envelope's sender (a 5xx to MAIL FROM), the provider refuses the account's domain. Every message
+    of that sender would fail alike: a campaign's row pauses its campaign (the operator fixes the
+    sender and resumes it) and goes back uncounted; any other row is retried, counted."""
 
 
 @dataclass(frozen=True, slots=True)

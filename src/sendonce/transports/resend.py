@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import email.utils
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,17 +40,21 @@ class ResendSettings:
 
 
 def _retry_after(response: httpx.Response) -> float | None:
+    """The provider's Retry-After in seconds (RFC 9110: a number or an HTTP-date), None if there is
+    none or it is not a number of seconds ("inf", "nan"). Not capped here: the worker keeps what it
+    honours within its own limits, however far ahead this is."""
     value = response.headers.get("retry-after")
     if not value:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         try:
             parsed = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return None
-        return max(0.0, (parsed - dt.datetime.now(parsed.tzinfo)).total_seconds())
+        seconds = (parsed - dt.datetime.now(parsed.tzinfo)).total_seconds()
+    return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
 def _error_name(response: httpx.Response) -> str:
@@ -186,7 +191,7 @@ class ResendChannel(Channel):
             return Retry(detail, transport_wide=True)
         if status == 403:
             # The sending account's standing (a domain not verified, a sender not allowed): not this
-            # message's content, but not every account's either. Retried, counted: it fails after
-            # the usual tries unless the operator fixes it meanwhile.
-            return Retry(detail)
+            # message's content, but not every account's either. A campaign pauses until the
+            # operator fixes it; any other message is retried, counted (Retry.sender_wide).
+            return Retry(detail, sender_wide=True)
         return Permanent(detail)

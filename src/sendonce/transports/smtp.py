@@ -49,6 +49,11 @@ from sendonce.transports.base import (
 
 logger = logging.getLogger(__name__)
 
+_MAIL_NEEDS_LOGIN = frozenset({530, 535, 538})
+"""Replies to MAIL FROM that ask for authentication or TLS first."""
+_MAIL_REFUSES_MESSAGE = frozenset({552, 555})
+"""Replies to MAIL FROM about this message: its size, its parameters (SMTPUTF8, BODY=8BITMIME)."""
+
 # A connection idle longer than this is probed with RSET before it is trusted with a message.
 _IDLE_PROBE_SECONDS = 30.0
 _MAX_REPLY_BYTES = 64 * 1024
@@ -441,6 +446,17 @@ class SmtpChannel(Channel):
             # the message, while the lanes pause (the worker's outage backoff).
             await self.close()
             return Retry(f"{phase}: {code} {text}"[:500], transport_wide=True)
+        if phase == "mail" and code in _MAIL_NEEDS_LOGIN:
+            # Authentication or TLS required (RFC 4954, RFC 3207): this connection's standing, the
+            # same for every message, as a refused login is.
+            await self.close()
+            return Retry(f"{phase}: {code} {text}"[:500], transport_wide=True)
+        if phase == "mail" and 500 <= code < 600 and code not in _MAIL_REFUSES_MESSAGE:
+            # MAIL FROM names the sender only: a 5xx refuses the sender (not allowed to relay for its
+            # domain, a sender policy, this client blocked), never this recipient, and every message
+            # from that sender would meet it. Failed at once, a whole campaign would end failed on
+            # a relay's setting; the worker pauses the campaign instead (Retry.sender_wide).
+            return Retry(f"{phase}: {code} {text}"[:500], sender_wide=True)
         if 500 <= code < 600:
             # A 5xx to RCPT or DATA rejects this recipient for good: a hard bounce.
             return Permanent(f"{phase}: {code} {text}"[:500], hard_bounce=phase in ("rcpt", "data"))

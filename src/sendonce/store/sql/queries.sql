@@ -1030,8 +1030,9 @@ SELECT c.status,
   FROM sendonce.campaigns c
  WHERE c.account_id = %(account_id)s AND c.campaign_id = %(campaign_id)s;
 
--- pause_campaign_for_feedback --
--- CAS sending -> paused because its bounce or complaint rate passed its limit.
+-- pause_campaign_with_reason --
+-- CAS sending -> paused by a worker, saying why: its bounce or complaint rate passed its limit, the
+-- transport refuses its sender.
 UPDATE sendonce.campaigns
    SET status = 'paused', paused_reason = %(reason)s, updated_at = now()
  WHERE account_id = %(account_id)s AND campaign_id = %(campaign_id)s AND status = 'sending'
