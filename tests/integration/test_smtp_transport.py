@@ -575,13 +575,15 @@ async def test_a_421_at_any_step_is_transport_wide(pipelining: bool) -> None:
         ("553 5.7.1 Sender address rejected: not owned by user", "sender_wide"),
         ("550 5.7.1 Client host rejected: access denied", "sender_wide"),
         ("552 5.3.4 Message size exceeds fixed limit", "permanent"),
+        ("503 5.5.1 Error: nested MAIL command", "counted"),
     ],
-    ids=["530-login-required", "553-sender-rejected", "550-client-rejected", "552-this-message"],
+    ids=["530-login-required", "553-sender-rejected", "550-client-rejected", "552-this-message", "503-out-of-step"],
 )
 async def test_a_refused_sender_is_not_the_recipients_bounce(pipelining: bool, reply: str, expected: str) -> None:
     """A 5xx to MAIL FROM refuses the sender, the login or this client, never the recipient: it was a
     permanent failure of each message in turn, which ended a whole campaign failed on a relay's
-    setting. Only a reply about this message itself (its size, its parameters) fails it."""
+    setting. Only a reply about this message itself (its size, its parameters) fails it; one about
+    the command (500, 502, 503: the session out of step) is this try's failure, on a new connection."""
     faults = InboxFaults(refuse_sender=lambda _: None if faults.counts["sender_refused"] else reply)  # once
     with Inbox(faults=faults) as inbox:
         channel = _channel(inbox, pipelining=pipelining)
@@ -598,4 +600,57 @@ async def test_a_refused_sender_is_not_the_recipients_bounce(pipelining: bool, r
         assert isinstance(outcome, Permanent) and not outcome.hard_bounce, outcome
         return
     assert isinstance(outcome, Retry) and not outcome.uncertain, outcome
+    assert (outcome.transport_wide, outcome.sender_wide) == (expected == "transport_wide", expected == "sender_wide")
+
+
+@MODES
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ("550 5.7.1 Client host rejected: access denied", "sender_wide"),
+        ("421 4.7.0 Too busy, closing", "transport_wide"),
+    ],
+    ids=["550-then-close", "421-then-close"],
+)
+async def test_a_refusal_of_mail_from_followed_by_a_close_is_read_as_the_refusal(
+    pipelining: bool, reply: str, expected: str
+) -> None:
+    """A relay that refuses MAIL FROM and then closes (RFC 5321 after a 421; Exim's ``drop``): with
+    the envelope pipelined, the close came while RCPT's and DATA's replies were awaited, and the
+    refusal read before it was dropped for a "connection lost", counted against the message."""
+
+    ended = asyncio.Event()
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.write(b"220 relay ESMTP\r\n")
+            closed = False
+            while line := await reader.readline():
+                command = line[:4].upper()
+                if closed:
+                    continue  # what the client sent after the refusal is read and dropped
+                if command == b"EHLO":
+                    writer.write(b"250-relay\r\n250-PIPELINING\r\n250 8BITMIME\r\n")
+                elif command == b"MAIL":
+                    writer.write(reply.encode() + b"\r\n")
+                    writer.write_eof()  # a clean close of our side (no reset: nothing of the reply is lost)
+                    closed = True
+                else:
+                    writer.write(b"250 OK\r\n")
+                await writer.drain()
+        finally:
+            writer.close()
+            ended.set()
+
+    server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        channel = SmtpChannel(SmtpSettings("127.0.0.1", port, timeout=5, pipelining=pipelining))
+        try:
+            outcome = await channel.send(_message(1), timeout=5)
+        finally:
+            await channel.close()
+        await asyncio.wait_for(ended.wait(), 5)
+    assert isinstance(outcome, Retry) and not outcome.uncertain, outcome
+    assert outcome.error.startswith(f"mail: {reply[:3]}"), outcome
     assert (outcome.transport_wide, outcome.sender_wide) == (expected == "transport_wide", expected == "sender_wide")

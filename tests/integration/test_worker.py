@@ -398,8 +398,12 @@ async def test_a_relay_that_refuses_the_sender_pauses_the_campaign_and_loses_not
     faults = InboxFaults(refuse_sender=lambda _: "553 5.7.1 Sender address rejected" if refusing else None)
     config = WorkerConfig(concurrency=2, batch_size=5, drain=True, max_failures=2, **FAST)
     with Inbox(faults=faults) as inbox:
-        await run_to_drain(database_url, transport_from_url(inbox.url), config)  # drained: nothing it may send
+        # one lane holding the whole campaign: the rows it has not started go back at the refusal, not
+        # at the lease's next renewal once the pause is recorded (each would meet the refusal in turn)
+        one_lane = WorkerConfig(concurrency=1, batch_size=20, drain=True, max_failures=2, **FAST)
+        await run_to_drain(database_url, transport_from_url(inbox.url), one_lane)  # drained: nothing it may send
         assert inbox.messages == []
+        assert faults.counts["sender_refused"] == 1, faults.counts
         async with await connect(database_url) as conn:
             campaign = await campaigns.get_campaign(conn, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
             rows = await (
@@ -421,6 +425,83 @@ async def test_a_relay_that_refuses_the_sender_pauses_the_campaign_and_loses_not
     assert received == dict.fromkeys(addresses, 1)
     status, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
     assert (status, counts.sent, counts.failed) == ("sent", 20, 0)
+
+
+async def test_a_stale_attempts_refused_sender_pauses_nothing(database_url: str) -> None:
+    # The refusal of an attempt whose lease ran out arrives after another worker re-claimed the row
+    # (perhaps once the sender was fixed and the campaign resumed): it is fenced out, and it must not
+    # pause the campaign again, with an old reason.
+    setup = await campaign_setup(database_url, emails(1))
+    await _prebuild(database_url)
+    worker = Worker(database_url, transport_from_url("smtp://127.0.0.1:9"), WorkerConfig(**FAST), composer=composer())
+    claim: dict[str, Any] = {"limit": 1, "lease_seconds": 30, "worker": worker.name, "transport_idempotent": False}
+    refused = Retry("mail: 553 5.7.1 Sender address rejected", sender_wide=True)
+    async with await connect(database_url) as conn:
+        [old] = await outbox.claim_batch(conn, **claim)
+        await conn.execute("UPDATE sendonce.deliveries SET lease_expires_at = now() - interval '1 second'")
+        assert len(await outbox.requeue_expired(conn)) == 1
+        [new] = await outbox.claim_batch(conn, **{**claim, "worker": "another"})
+        await worker._record(conn, [_Result(Held(old, lease_end=0.0), refused)])
+        campaign = await campaigns.get_campaign(conn, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+        raised = await alerts.list_alerts(conn, setup.account_id)  # type: ignore[arg-type]
+        assert worker.stats.fenced_out == 1
+        assert campaign is not None and campaign.status.value == "sending" and raised == []
+        # the current attempt's refusal does pause it
+        await worker._record(conn, [_Result(Held(new, lease_end=0.0), refused)])
+        campaign = await campaigns.get_campaign(conn, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert campaign is not None and campaign.status.value == "paused"
+
+
+async def test_replies_that_are_not_utf8_are_recorded_and_the_worker_goes_on(database_url: str) -> None:
+    # A relay answering in Latin-1 (or with a NUL): the reply is read as lone surrogates, which
+    # PostgreSQL's text refuses. The record failed and the worker stopped, with the accepted message
+    # unrecorded: re-sent by the next worker (a duplicate), which stopped the same way.
+    addresses = emails(3)
+    setup = await campaign_setup(database_url, addresses)
+    received: list[bytes] = []
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"220 relais ESMTP\r\n")
+        while line := await reader.readline():
+            command = line[:4].upper()
+            if command == b"EHLO":
+                writer.write(b"250-relais\r\n250 8BITMIME\r\n")
+            elif command == b"RCPT" and addresses[0].encode() in line:
+                writer.write(b"550 5.1.1 Destinataire inconnu: bo\xeete inexistante\r\n")
+            elif command == b"DATA":
+                writer.write(b"354 Allez-y\r\n")
+                await writer.drain()
+                content = b""
+                while not content.endswith(b"\r\n.\r\n"):
+                    content += await reader.readline()
+                received.append(content)
+                writer.write(b"250 2.0.0 Message accept\xe9\x00 pour livraison\r\n")
+            elif command == b"QUIT":
+                writer.write(b"221 Au revoir\r\n")
+                await writer.drain()
+                break
+            else:
+                writer.write(b"250 OK\r\n")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        config = WorkerConfig(concurrency=1, batch_size=3, drain=True, **FAST)
+        await run_to_drain(database_url, transport_from_url(f"smtp://127.0.0.1:{port}"), config)
+    assert len(received) == 2
+    async with await connect(database_url) as conn:
+        rows = await (
+            await conn.execute(
+                "SELECT status::text, transport_message_id AS id, last_error FROM sendonce.deliveries ORDER BY email"
+            )
+        ).fetchall()
+    assert [row["status"] for row in rows] == ["failed", "sent", "sent"]
+    assert "Destinataire inconnu: bo?te inexistante" in rows[0]["last_error"], rows[0]
+    assert rows[1]["id"] == "250 2.0.0 Message accept?\ufffd pour livraison", rows[1]
+    status, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert (status, counts.sent, counts.failed, counts.possible_duplicate) == ("sent", 2, 1, 0)
 
 
 async def test_a_refused_sender_of_a_transactional_message_is_retried_counted(database_url: str) -> None:

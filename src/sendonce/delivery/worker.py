@@ -736,6 +736,8 @@ class Worker:
                 message, timeout=max(budget, 0.1), gate=None if self._idempotent else gate, follow=follow
             )
             self._note_transport(outcome)
+            if isinstance(outcome, Retry) and outcome.sender_wide:
+                self._hold_back_campaign(held.delivery)
             if isinstance(outcome, Withheld):
                 if loop.time() >= held.lease_end - config.margin:
                     self._past_deadline(held, count_only=True)
@@ -751,6 +753,16 @@ class Worker:
             result = _Result(held, outcome, recorded=loop.create_future())
             self._push(result)
             unrecorded = result.recorded
+
+    def _hold_back_campaign(self, delivery: ClaimedDelivery) -> None:
+        """Its sender was refused: what this worker holds of its campaign and has not started goes
+        back (the recorder pauses the campaign), rather than each row meeting the refusal in turn."""
+        if delivery.campaign_id is None:
+            return
+        for h in self._held.values():
+            d = h.delivery
+            if d.campaign_id == delivery.campaign_id and d.account_id == delivery.account_id and not h.started:
+                h.release = True
 
     def _past_deadline(self, held: Held, *, count_only: bool = False) -> None:
         """Past this claim's deadline: the lease may be gone. Never start a send now; give it back."""
@@ -808,8 +820,9 @@ class Worker:
     # -- recorder ------------------------------------------------------------------------------
 
     def _backoff(self, failures: int, retry_after: float | None) -> float:
-        """Seconds before a message's next try: never past ``backoff_cap``, however long a provider's
-        Retry-After asks for (a date years ahead would park the row, and its campaign, that long)."""
+        """Seconds before a message's next try: ``backoff_cap`` at most, before the jitter (x0.5-1.5),
+        however long a provider's Retry-After asks for (a date years ahead would park the row, and its
+        campaign, that long)."""
         cap = self.config.backoff_cap
         delay = min(cap, self.config.backoff_base * 2.0 ** max(failures, 0)) * random.uniform(0.5, 1.5)
         if retry_after is not None:
@@ -888,7 +901,7 @@ class Worker:
         # that of this worker's new claim of it. The statements fence by attempt, so at most the
         # latest attempt's outcome is the one a returned row stands for.
         latest: dict[Key, int] = {}
-        refused_senders: dict[tuple[int, int], str] = {}  # campaign -> why its sender was refused
+        refusals: list[tuple[int, int, Key, int, str]] = []  # a campaign's sender refused, for a row's attempt
         for result in results:
             d = result.held.delivery
             latest[d.key] = max(latest.get(d.key, 0), d.attempt)
@@ -908,7 +921,7 @@ class Worker:
             elif isinstance(outcome, Retry) and outcome.sender_wide and d.campaign_id is not None:
                 # Every row of this campaign would fail alike, each after its tries: the campaign
                 # pauses (in this transaction) and the row goes back uncounted, for its resume.
-                refused_senders[(d.account_id, d.campaign_id)] = outcome.error
+                refusals.append((d.account_id, d.campaign_id, d.key, d.attempt, outcome.error))
                 retry.append(
                     RetryRecord(
                         d.account_id, d.delivery_id, d.attempt, 0.0, outcome.error, outcome.uncertain, counted=False
@@ -936,7 +949,7 @@ class Worker:
         # One transaction: a group is recorded whole or not at all, so a group retried after a failure
         # (an outage, a deadlock between recorders) never counts a failure twice. Most groups are all
         # "sent": one statement, atomic by itself, without the round trips of BEGIN and COMMIT.
-        kinds = sum(1 for part in (sent, retry, failed, release, refused_senders) if part)
+        kinds = sum(1 for part in (sent, retry, failed, release, refusals) if part)
         paused: list[tuple[int, dict[str, Any]]] = []
         async with conn.transaction() if kinds > 1 else contextlib.nullcontext():
             recorded_sent = await outbox.record_sent(conn, sent)
@@ -944,7 +957,14 @@ class Worker:
             failed_outcome = await outbox.record_failed(conn, failed)
             recorded_failed = failed_outcome.recorded
             released = await outbox.release_claims(conn, release)
-            for (account_id, campaign_id), error in sorted(refused_senders.items()):
+            # Only a refusal the row still stands for: a stale attempt's (the row re-claimed since,
+            # perhaps after the sender was fixed and the campaign resumed) pauses nothing.
+            refused = {
+                (account_id, campaign_id): error
+                for account_id, campaign_id, key, attempt, error in refusals
+                if key in recorded_retry and attempt == latest[key]
+            }
+            for (account_id, campaign_id), error in sorted(refused.items()):
                 alert = await feedback.pause_for_refused_sender(conn, account_id, campaign_id, error)
                 if alert is not None:
                     paused.append((account_id, alert))

@@ -23,6 +23,7 @@ from sendonce.domain.addresses import InvalidAddress, parse_address
 from sendonce.domain.states import SuppressionReason
 from sendonce.store import alerts
 from sendonce.store.database import Conn
+from sendonce.store.outbox import storable
 from sendonce.store.queries import query
 from sendonce.webhooks import FeedbackEvent
 
@@ -189,7 +190,7 @@ async def pause_for_refused_sender(conn: Conn, account_id: int, campaign_id: int
         conn,
         account_id,
         campaign_id,
-        {"reason": f"the transport refuses the campaign's sender: {error}"[:1000], "sender_refused": True},
+        {"reason": storable(f"the transport refuses the campaign's sender: {error}"[:1000]), "sender_refused": True},
     )
 
 

@@ -114,8 +114,27 @@ class BuildProgress:
     done: bool
 
 
+def storable(text: str) -> str:
+    """``text`` as a PostgreSQL text value can hold it. A server's reply may carry bytes that are
+    not UTF-8 (read as lone surrogates) or a NUL: stored as is, they made the record fail, and the
+    worker stop, and every worker the re-sent row met after it."""
+    if text.isascii() and "\x00" not in text:
+        return text
+    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\ufffd")
+
+
+_TEXT_COLUMNS = frozenset({"error", "message_id"})
+"""Columns that hold what a transport answered."""
+
+
 def _columns(rows: Sequence[Any], *names: str) -> dict[str, list[Any]]:
-    return {f"{name}s": [getattr(row, name) for row in rows] for name in names}
+    return {
+        f"{name}s": [
+            storable(value) if name in _TEXT_COLUMNS and value is not None else value
+            for value in (getattr(row, name) for row in rows)
+        ]
+        for name in names
+    }
 
 
 T = TypeVar("T", bound="Fenced | SentRecord | RetryRecord | FailedRecord")

@@ -51,8 +51,11 @@ logger = logging.getLogger(__name__)
 
 _MAIL_NEEDS_LOGIN = frozenset({530, 535, 538})
 """Replies to MAIL FROM that ask for authentication or TLS first."""
-_MAIL_REFUSES_MESSAGE = frozenset({552, 555})
+_MAIL_REFUSES_MESSAGE = frozenset({504, 552, 555})
 """Replies to MAIL FROM about this message: its size, its parameters (SMTPUTF8, BODY=8BITMIME)."""
+_MAIL_OUT_OF_STEP = frozenset({500, 502, 503})
+"""Replies to MAIL FROM about the command itself (not understood, not in sequence): the session is
+out of step, not the sender refused."""
 
 # A connection idle longer than this is probed with RSET before it is trusted with a message.
 _IDLE_PROBE_SECONDS = 30.0
@@ -97,6 +100,15 @@ def _can_take_over(transport: object) -> TypeGuard[asyncio.Transport]:
     protocol can be swapped. Duck-typed: uvloop's transports have the whole interface but are not
     subclasses of ``asyncio.Transport`` (an isinstance check silently turned pipelining off there)."""
     return all(callable(getattr(transport, name, None)) for name in ("set_protocol", "write", "abort", "is_closing"))
+
+
+class ClosedAfter(aiosmtplib.SMTPServerDisconnected):
+    """The server closed the connection after these replies, before the rest: often its refusal, then
+    the close (a 421; a 5xx to MAIL FROM from a relay that drops such clients)."""
+
+    def __init__(self, replies: list[SMTPResponse]) -> None:
+        super().__init__(f"the server closed the connection after {replies[-1].code} {replies[-1].message}"[:300])
+        self.replies = replies
 
 
 class _Replies(asyncio.Protocol):
@@ -171,8 +183,17 @@ class _Replies(asyncio.Protocol):
                 return SMTPResponse(int(line[:3]), b"\n".join(lines).decode("utf-8", "surrogateescape"))
 
     async def replies(self, count: int, timeout: float) -> list[SMTPResponse]:
-        """The next ``count`` replies, all within ``timeout`` seconds (aiosmtplib's timeout error if not)."""
+        """The next ``count`` replies, all within ``timeout`` seconds (aiosmtplib's timeout error if not).
+        A connection closed after some of them raises ``ClosedAfter``, with those."""
         got: list[SMTPResponse] = []
+        try:
+            return await self._replies(count, timeout, got)
+        except aiosmtplib.SMTPServerDisconnected as exc:
+            if got:
+                raise ClosedAfter(got) from exc
+            raise
+
+    async def _replies(self, count: int, timeout: float, got: list[SMTPResponse]) -> list[SMTPResponse]:
         while len(got) < count:  # replies already here need no timer (an envelope sent ahead, often)
             response = self._parse()
             if response is None:
@@ -451,6 +472,10 @@ class SmtpChannel(Channel):
             # same for every message, as a refused login is.
             await self.close()
             return Retry(f"{phase}: {code} {text}"[:500], transport_wide=True)
+        if phase == "mail" and code in _MAIL_OUT_OF_STEP:
+            # a new connection starts a new session; counted, like any failure of this message's try
+            await self.close()
+            return Retry(f"{phase}: {code} {text}"[:500])
         if phase == "mail" and 500 <= code < 600 and code not in _MAIL_REFUSES_MESSAGE:
             # MAIL FROM names the sender only: a 5xx refuses the sender (not allowed to relay for its
             # domain, a sender policy, this client blocked), never this recipient, and every message
@@ -479,7 +504,15 @@ class SmtpChannel(Channel):
         try:
             if envelope is not None:
                 pipe.write(envelope)
-            mail, rcpt, start = await pipe.replies(3, timeout)
+            try:
+                mail, rcpt, start = await pipe.replies(3, timeout)
+            except ClosedAfter as exc:
+                # The server said no, then closed: its no is the answer (nothing of the content went out).
+                await self.close()
+                for step, response, good in zip(("mail", "rcpt"), exc.replies, ((250,), (250, 251)), strict=False):
+                    if response.code not in good:
+                        return await self._refused(step, response.code, response.message)
+                raise
             if start.code == 354 and (mail.code != 250 or rcpt.code not in (250, 251)):
                 # A server must refuse DATA when the envelope failed; one that did not now waits for
                 # content that must not be sent. Only closing the connection ends that safely.
