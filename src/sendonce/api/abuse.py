@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -78,7 +78,9 @@ class AbuseDetector:
     sources_window: float = 600.0
     clock: Callable[[], float] = time.monotonic
     _series: dict[str, _Series] = field(default_factory=dict)
-    _sources: dict[tuple[int, str], deque[tuple[float, str]]] = field(default_factory=dict)
+    _sources: dict[tuple[int, str], OrderedDict[str, float]] = field(default_factory=dict)
+    """Per address: its recent clients, each with its last signup, oldest first (at most
+    ``sources_threshold`` of them: enough to tell whether there are that many)."""
     _flagged_sources: dict[tuple[int, str], float] = field(default_factory=dict)
     _swept: float | None = None
 
@@ -100,7 +102,9 @@ class AbuseDetector:
             return
         self._swept = now
         horizon = now - self.sources_window
-        self._sources = {key: seen for key, seen in self._sources.items() if seen and seen[-1][0] >= horizon}
+        self._sources = {
+            key: seen for key, seen in self._sources.items() if seen and next(reversed(seen.values())) >= horizon
+        }
         self._flagged_sources = {key: at for key, at in self._flagged_sources.items() if at > horizon}
         bucket = int(now // self.bucket_seconds)
         self._series = {key: s for key, s in self._series.items() if bucket - s.bucket <= IDLE_BUCKETS}
@@ -159,12 +163,17 @@ class AbuseDetector:
         now = self.clock()
         self._sweep(now)
         key = (account_id, email_key)
-        seen = self._sources.setdefault(key, deque())
-        seen.append((now, client))
-        while seen and seen[0][0] < now - self.sources_window:
-            seen.popleft()
-        clients = {c for _, c in seen}
-        if len(clients) < self.sources_threshold:
+        # One entry per client, not per request: a client retrying one address all day costs the
+        # same as its first request (a list of every request was rebuilt into a set at each one).
+        seen = self._sources.setdefault(key, OrderedDict())
+        seen[client] = now
+        seen.move_to_end(client)
+        horizon = now - self.sources_window
+        while next(iter(seen.values())) < horizon:  # never empties: this client was seen now
+            seen.popitem(last=False)
+        if len(seen) > self.sources_threshold:
+            seen.popitem(last=False)  # the threshold's most recent clients are all that is asked of them
+        if len(seen) < self.sources_threshold:
             return []
         last = self._flagged_sources.get(key)
         if last is not None and last > now - self.sources_window:
@@ -175,6 +184,6 @@ class AbuseDetector:
                 account_id,
                 "many_sources",
                 f"address:{email_key}",
-                {"distinct_clients": len(clients), "window_seconds": self.sources_window},
+                {"distinct_clients": len(seen), "window_seconds": self.sources_window},
             )
         ]
