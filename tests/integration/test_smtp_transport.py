@@ -654,3 +654,44 @@ async def test_a_refusal_of_mail_from_followed_by_a_close_is_read_as_the_refusal
     assert isinstance(outcome, Retry) and not outcome.uncertain, outcome
     assert outcome.error.startswith(f"mail: {reply[:3]}"), outcome
     assert (outcome.transport_wide, outcome.sender_wide) == (expected == "transport_wide", expected == "sender_wide")
+
+
+@MODES
+@pytest.mark.parametrize(
+    ("step", "reply", "expected"),
+    [
+        ("rcpt", "550 5.1.1 <reader1@example.org>: Recipient address rejected: User unknown", "address"),
+        ("rcpt", "550 no such user here", "address"),  # no enhanced status: RFC 5321's mailbox unavailable
+        ("rcpt", "550 5.2.1 mailbox disabled", "address"),
+        ("rcpt", "552 5.2.2 mailbox full", "message"),
+        ("rcpt", "550 5.7.1 Recipient address rejected: Access denied", "message"),
+        ("rcpt", "554 5.7.1 <reader1@example.org>: Relay access denied", "sender"),
+        ("rcpt", "550 relay not permitted", "sender"),
+        ("rcpt", "553 5.1.8 <news@example.com>: Sender address rejected: Domain not found", "sender"),
+        ("data", "550 5.1.1 user unknown", "address"),
+        ("data", "554 5.7.1 Message rejected as spam", "message"),
+        ("data", "554 Message rejected: Email address is not verified.", "message"),
+    ],
+)
+async def test_only_a_reply_that_says_the_address_is_bad_is_a_hard_bounce(
+    pipelining: bool, step: str, reply: str, expected: str
+) -> None:
+    """Every 5xx to RCPT or DATA was a hard bounce, which suppresses the address for good: a relay
+    that does not relay for us ("Relay access denied", at RCPT, for every recipient) or a content
+    refused as spam would have suppressed each subscriber it met. Only an addressing status (X.1.x,
+    X.2.1; without one, a 550, 551 or 553 to RCPT) is; a relay refusing us is a refused sender."""
+    refuse: Callable[[str], str | None] = lambda address: reply if address.startswith("reader1@") else None  # noqa: E731
+    faults = InboxFaults(reject=refuse) if step == "rcpt" else InboxFaults(refuse_content=refuse)
+    with Inbox(faults=faults) as inbox:
+        channel = _channel(inbox, pipelining=pipelining)
+        try:
+            outcome = await channel.send(_message(1), timeout=5)
+            assert isinstance(await channel.send(_message(2), timeout=5), Accepted)  # in step
+        finally:
+            await channel.close()
+        assert [m.job_id for m in inbox.messages] == ["job-2"]
+    assert outcome.error.startswith(f"{step}: {reply[:3]}"), outcome
+    if expected == "sender":
+        assert isinstance(outcome, Retry) and outcome.sender_wide and not outcome.uncertain, outcome
+    else:
+        assert isinstance(outcome, Permanent) and outcome.hard_bounce == (expected == "address"), outcome

@@ -83,6 +83,9 @@ class InboxFaults:
     """Called with each RCPT address; a returned SMTP reply (``"550 ..."``) rejects it."""
     refuse_sender: Callable[[str], str | None] | None = None
     """Called with each MAIL FROM address; a returned SMTP reply (``"553 ..."``) refuses it."""
+    refuse_content: Callable[[str], str | None] | None = None
+    """Called with each message's first recipient once its content is in; a returned SMTP reply
+    (``"554 ..."``) refuses the message (it is not recorded)."""
     seed: int | None = None
     counts: Counter[str] = field(default_factory=Counter)
     ambiguous: Counter[str] = field(default_factory=Counter)
@@ -149,6 +152,11 @@ class _Handler:
             self.inbox.envelopes_behind_content += 1
         faults = self.inbox.faults
         data = envelope.original_content or b""
+        if faults.refuse_content is not None and envelope.rcpt_tos:
+            reply = faults.refuse_content(envelope.rcpt_tos[0])
+            if reply:
+                faults.counts["content_refused"] += 1
+                return reply
         if faults.roll(faults.temp_fail):
             faults.counts["temp_fail"] += 1
             if faults.roll(0.5):

@@ -102,6 +102,31 @@ def _can_take_over(transport: object) -> TypeGuard[asyncio.Transport]:
     return all(callable(getattr(transport, name, None)) for name in ("set_protocol", "write", "abort", "is_closing"))
 
 
+_ENHANCED_STATUS = re.compile(r"\s*[245]\.(\d{1,3})\.(\d{1,3})(?!\S)")
+"""RFC 3463's ``class.subject.detail``, which RFC 2034 servers put first in a reply's text."""
+
+
+def _permanent_refusal(phase: str, code: int, text: str) -> str:
+    """What a 5xx to RCPT or DATA refuses: "address" (the recipient's address is bad: a hard
+    bounce), "sender" (the relay will not take mail from us: not relaying for us, the sender's
+    address bad) or "message" (this message, here: content, policy, size, a full mailbox)."""
+    status = _ENHANCED_STATUS.match(text)
+    if status is not None:
+        subject, detail = int(status[1]), int(status[2])
+        if subject == 1 and detail in (7, 8):  # X.1.7, X.1.8: the sender's mailbox or system address
+            return "sender"
+        if subject == 7 and phase == "rcpt" and "relay" in text.lower():  # "Relay access denied"
+            return "sender"
+        if subject == 1 or (subject, detail) == (2, 1):  # X.1.x: addressing; X.2.1: mailbox disabled
+            return "address"
+        return "message"
+    # No enhanced status: RFC 5321's 550, 551 and 553 to RCPT name the mailbox, unless the text says
+    # relaying (Exim's "550 relay not permitted")
+    if phase == "rcpt" and "relay" in text.lower():
+        return "sender"
+    return "address" if phase == "rcpt" and code in (550, 551, 553) else "message"
+
+
 class ClosedAfter(aiosmtplib.SMTPServerDisconnected):
     """The server closed the connection after these replies, before the rest: often its refusal, then
     the close (a 421; a 5xx to MAIL FROM from a relay that drops such clients)."""
@@ -483,8 +508,13 @@ class SmtpChannel(Channel):
             # a relay's setting; the worker pauses the campaign instead (Retry.sender_wide).
             return Retry(f"{phase}: {code} {text}"[:500], sender_wide=True)
         if 500 <= code < 600:
-            # A 5xx to RCPT or DATA rejects this recipient for good: a hard bounce.
-            return Permanent(f"{phase}: {code} {text}"[:500], hard_bounce=phase in ("rcpt", "data"))
+            refusal = _permanent_refusal(phase, code, text)
+            if refusal == "sender":
+                return Retry(f"{phase}: {code} {text}"[:500], sender_wide=True)
+            # Failed for good; a hard bounce (the address suppressed) only when the reply says the
+            # address is bad: a 5xx that refuses the content, or says "not by policy", is not the
+            # subscriber's fault, and suppressing for it would drop them from every later campaign.
+            return Permanent(f"{phase}: {code} {text}"[:500], hard_bounce=refusal == "address")
         return Retry(f"{phase}: {code} {text}"[:500])
 
     async def _send_pipelined(
