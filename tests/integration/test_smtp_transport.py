@@ -668,6 +668,13 @@ async def test_a_refusal_of_mail_from_followed_by_a_close_is_read_as_the_refusal
         ("rcpt", "554 5.7.1 <reader1@example.org>: Relay access denied", "sender"),
         ("rcpt", "550 relay not permitted", "sender"),
         ("rcpt", "553 5.1.8 <news@example.com>: Sender address rejected: Domain not found", "sender"),
+        # Postfix checks the sender at RCPT: an X.1.x about the sender is not the recipient's bounce
+        ("rcpt", "550 5.1.0 <news@example.com>: Sender address rejected: User unknown in virtual mailbox", "sender"),
+        ("rcpt", "550-Verification failed for <news@example.com>\n550 Sender verify failed", "sender"),
+        ("rcpt", "554 5.7.1 Service unavailable; Client host [192.0.2.1] blocked using zen.spamhaus.org", "sender"),
+        # words in an address the reply echoes are not the reply's
+        ("rcpt", "550 <reader1@relay-not-permitted.example>... User unknown", "address"),
+        ("rcpt", "554 5.7.1 <reader1@example.org>: Recipient address rejected: relay@ mailbox closed", "message"),
         ("data", "550 5.1.1 user unknown", "address"),
         ("data", "554 5.7.1 Message rejected as spam", "message"),
         ("data", "554 Message rejected: Email address is not verified.", "message"),

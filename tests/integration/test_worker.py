@@ -408,13 +408,13 @@ async def test_a_relay_that_refuses_the_sender_pauses_the_campaign_and_loses_not
             campaign = await campaigns.get_campaign(conn, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
             rows = await (
                 await conn.execute(
-                    "SELECT status::text, failures, count(*) AS n FROM sendonce.deliveries GROUP BY 1, 2"
+                    "SELECT status::text, failures, count(*) AS n FROM sendonce.deliveries GROUP BY 1, 2 ORDER BY 2"
                 )
             ).fetchall()
             raised = await alerts.list_alerts(conn, setup.account_id)  # type: ignore[arg-type]
         assert campaign is not None and campaign.status.value == "paused"
         assert "553 5.7.1 Sender address rejected" in (campaign.paused_reason or ""), campaign.paused_reason
-        assert rows == [{"status": "queued", "failures": 0, "n": 20}]
+        assert rows == [{"status": "queued", "failures": 0, "n": 19}, {"status": "queued", "failures": 1, "n": 1}]
         assert [(a["kind"], a["detail"]["sender_refused"]) for a in raised] == [("campaign_paused", True)]
         refusing = False  # the operator fixes the relay, then resumes
         async with await connect(database_url) as conn:
@@ -425,6 +425,38 @@ async def test_a_relay_that_refuses_the_sender_pauses_the_campaign_and_loses_not
     assert received == dict.fromkeys(addresses, 1)
     status, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
     assert (status, counts.sent, counts.failed) == ("sent", 20, 0)
+
+
+async def test_a_refusal_wrongly_read_as_the_senders_cannot_pause_a_campaign_for_ever(database_url: str) -> None:
+    # A server refuses one recipient in words that read as a refusal of us. Each resume would meet
+    # it again and pause the campaign again, never to finish: the refusal counts as one of the row's
+    # tries, so after them the row fails (suppressing nobody) and the campaign ends.
+    addresses = emails(4)
+    setup = await campaign_setup(database_url, addresses)
+    odd = addresses[2]
+    faults = InboxFaults(reject=lambda address: "554 5.7.1 Relay access denied" if address == odd else None)
+    config = WorkerConfig(concurrency=1, batch_size=4, drain=True, max_failures=3, **FAST)
+    statuses = []
+    with Inbox(faults=faults) as inbox:
+        for _ in range(6):
+            await run_to_drain(database_url, transport_from_url(inbox.url), config)
+            status, _ = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+            statuses.append(status)
+            if status != "paused":
+                break
+            async with await connect(database_url) as conn:
+                await campaigns.transition(conn, setup.account_id, setup.campaign_id, "resume")  # type: ignore[arg-type]
+        received = inbox.by_recipient()
+    assert statuses == ["paused", "paused", "sent"], statuses
+    assert received == {a: 1 for a in addresses if a != odd}
+    async with await connect(database_url) as conn:
+        row = await (
+            await conn.execute("SELECT status::text, last_error FROM sendonce.deliveries WHERE email = %s", [odd])
+        ).fetchone()
+        suppressed = await (await conn.execute("SELECT count(*) AS n FROM sendonce.suppressions")).fetchone()
+    assert row is not None and row["status"] == "failed", row
+    assert row["last_error"].startswith("gave up after 3 failures: rcpt: 554"), row
+    assert suppressed == {"n": 0}
 
 
 async def test_a_stale_attempts_refused_sender_pauses_nothing(database_url: str) -> None:

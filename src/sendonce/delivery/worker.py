@@ -918,15 +918,18 @@ class Worker:
                         d.account_id, d.delivery_id, d.attempt, delay, outcome.error, outcome.uncertain, counted=False
                     )
                 )
-            elif isinstance(outcome, Retry) and outcome.sender_wide and d.campaign_id is not None:
+            elif (
+                isinstance(outcome, Retry)
+                and outcome.sender_wide
+                and d.campaign_id is not None
+                and d.failures + 1 < self.config.max_failures
+            ):
                 # Every row of this campaign would fail alike, each after its tries: the campaign
-                # pauses (in this transaction) and the row goes back uncounted, for its resume.
+                # pauses (in this transaction) and the row goes back for its resume. Counted all the
+                # same: a refusal that was this row's after all (a reply read wrongly as the sender's)
+                # fails it after its tries, across resumes, instead of pausing the campaign at each.
                 refusals.append((d.account_id, d.campaign_id, d.key, d.attempt, outcome.error))
-                retry.append(
-                    RetryRecord(
-                        d.account_id, d.delivery_id, d.attempt, 0.0, outcome.error, outcome.uncertain, counted=False
-                    )
-                )
+                retry.append(RetryRecord(d.account_id, d.delivery_id, d.attempt, 0.0, outcome.error, outcome.uncertain))
             elif isinstance(outcome, Retry):
                 if d.failures + 1 >= self.config.max_failures:
                     failed.append(

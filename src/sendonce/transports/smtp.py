@@ -106,24 +106,37 @@ _ENHANCED_STATUS = re.compile(r"\s*[245]\.(\d{1,3})\.(\d{1,3})(?!\S)")
 """RFC 3463's ``class.subject.detail``, which RFC 2034 servers put first in a reply's text."""
 
 
+_ADDRESSES = re.compile(r"<[^>]*>|\S+@\S+")
+"""Addresses a reply echoes back: their words are not the reply's (``<relay@example.org>``)."""
+_REFUSES_US = re.compile(
+    r"\brelay(?:ing)?\s+(?:access\s+)?(?:denied|not\s+(?:permitted|allowed)|prohibited)"
+    r"|\b(?:unable|not\s+(?:permitted|allowed|authori[sz]ed))\s+to\s+relay"
+    r"|\bsender\s+(?:address\s+)?(?:rejected|refused|denied|not\s+allowed)"
+    r"|\bsender\s+verif(?:y|ication)\s+failed"
+    r"|\bclient\s+host\b.*\b(?:rejected|blocked|denied)",
+    re.IGNORECASE | re.DOTALL,
+)
+"""How Postfix, Exim and Microsoft word a refusal of us (our relaying, our sender, our client host)
+rather than of the recipient; Postfix makes its sender and client checks at RCPT by default."""
+
+
 def _permanent_refusal(phase: str, code: int, text: str) -> str:
     """What a 5xx to RCPT or DATA refuses: "address" (the recipient's address is bad: a hard
-    bounce), "sender" (the relay will not take mail from us: not relaying for us, the sender's
-    address bad) or "message" (this message, here: content, policy, size, a full mailbox)."""
+    bounce), "sender" (the relay will not take mail from us: it does not relay for us, refuses our
+    sender or our client host) or "message" (this message, here: content, policy, size, a full
+    mailbox). Anything else it is not sure of is "message": that fails one message, suppressing
+    nobody, where a wrong "address" would drop a subscriber from every later campaign."""
+    if _REFUSES_US.search(_ADDRESSES.sub(" ", text)):
+        return "sender"
     status = _ENHANCED_STATUS.match(text)
     if status is not None:
         subject, detail = int(status[1]), int(status[2])
         if subject == 1 and detail in (7, 8):  # X.1.7, X.1.8: the sender's mailbox or system address
             return "sender"
-        if subject == 7 and phase == "rcpt" and "relay" in text.lower():  # "Relay access denied"
-            return "sender"
-        if subject == 1 or (subject, detail) == (2, 1):  # X.1.x: addressing; X.2.1: mailbox disabled
+        if phase != "mail" and (subject == 1 or (subject, detail) == (2, 1)):  # addressing; mailbox disabled
             return "address"
         return "message"
-    # No enhanced status: RFC 5321's 550, 551 and 553 to RCPT name the mailbox, unless the text says
-    # relaying (Exim's "550 relay not permitted")
-    if phase == "rcpt" and "relay" in text.lower():
-        return "sender"
+    # No enhanced status: RFC 5321's 550, 551 and 553 to RCPT name the mailbox.
     return "address" if phase == "rcpt" and code in (550, 551, 553) else "message"
 
 
@@ -495,6 +508,10 @@ class SmtpChannel(Channel):
         if phase == "mail" and code in _MAIL_NEEDS_LOGIN:
             # Authentication or TLS required (RFC 4954, RFC 3207): this connection's standing, the
             # same for every message, as a refused login is.
+            await self.close()
+            return Retry(f"{phase}: {code} {text}"[:500], transport_wide=True)
+        if phase == "mail" and code == 503 and "auth" in text.lower():
+            # "503 ... authentication required" (a server's way of saying 530): transport-wide
             await self.close()
             return Retry(f"{phase}: {code} {text}"[:500], transport_wide=True)
         if phase == "mail" and code in _MAIL_OUT_OF_STEP:
