@@ -522,17 +522,59 @@ async def test_dkim_signature_verifies_and_covers_the_unsubscribe_headers(
     assert not dkim.verify(tampered, dnsfunc=dns)
 
 
-async def test_a_missing_dkim_key_delays_mail_instead_of_sending_it_unsigned(
-    database_url: str, client: httpx.Client, inbox: Inbox
+async def test_a_missing_dkim_key_pauses_the_campaign_instead_of_failing_it_or_sending_unsigned(
+    database_url: str, client: httpx.Client, inbox: Inbox, tmp_path: Any
 ) -> None:
+    # The key file is not there yet (a deploy that forgot it). Nothing goes out unsigned. It used to
+    # fail each row after its tries (about four minutes), so the campaign ended "sent" with nothing
+    # delivered: every message of the sender waits alike, so the campaign pauses, saying why; once
+    # the key is in place a resume sends each address once, signed.
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
     body = client.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
     auth = {"Authorization": f"Bearer {body['api_key']}"}
+    key_file = tmp_path / "dkim.pem"
+    client.put(
+        f"/v1/accounts/{body['id']}/dkim",
+        json={"domain": "acme.test", "selector": "s", "key_file": str(key_file)},
+        headers=ADMIN,
+    )
+    addresses = emails(3)
+    cid = _campaign_via_api(client, auth, addresses)
+    config = WorkerConfig(tick=0.2, lease=5, drain=True, backoff_base=0.05, backoff_cap=0.2, max_failures=2)
+    await run_to_drain(database_url, transport_from_url(inbox.url), config)  # drained: the campaign is paused
+    assert inbox.messages == []
+    shown = client.get(f"/v1/campaigns/{cid}", headers=auth).json()
+    assert shown["status"] == "paused", shown
+    assert f"the DKIM key of acme.test cannot be read from {key_file}" in shown["paused_reason"], shown
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute("SELECT status::text, failures FROM sendonce.deliveries ORDER BY failures").fetchall()
+    assert rows == [("queued", 0), ("queued", 0), ("queued", 1)], rows  # one tried; the others held back
+    assert [a["kind"] for a in client.get("/v1/alerts", headers=auth).json()["items"]] == ["campaign_paused"]
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    key_file.write_bytes(pem)
+    assert client.post(f"/v1/campaigns/{cid}/resume", headers=auth).status_code == 200
+    await run_to_drain(database_url, transport_from_url(inbox.url), config)
+    assert inbox.by_recipient() == dict.fromkeys(addresses, 1)
+    assert all("DKIM-Signature" in m.parsed() for m in inbox.messages)
+    assert client.get(f"/v1/campaigns/{cid}", headers=auth).json()["status"] == "sent"
+
+
+async def test_a_missing_dkim_key_delays_transactional_mail_instead_of_sending_it_unsigned(
+    database_url: str, client: httpx.Client, inbox: Inbox
+) -> None:
+    # No campaign to pause: the message is retried, counted, with backoff.
+    body = client.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
     client.put(
         f"/v1/accounts/{body['id']}/dkim",
         json={"domain": "acme.test", "selector": "s", "key_env": "NO_SUCH_DKIM_KEY"},
         headers=ADMIN,
     )
-    _campaign_via_api(client, auth, ["ann@example.test"])
+    auth = {"Authorization": f"Bearer {body['api_key']}"}
+    assert client.post("/v1/signups", json={"email": "ann@example.test", "origin": "web"}, headers=auth).is_success
     config = WorkerConfig(tick=0.2, lease=5, backoff_base=30)
     async with running_worker(database_url, transport_from_url(inbox.url), config):
         deadline = time.monotonic() + 20

@@ -60,6 +60,8 @@ _OUTAGE_PROBE_EVERY = 60.0
 _RETRY_AFTER_CAP = 300.0
 """A provider's Retry-After pauses the lanes for at most this long (seconds): rows held meanwhile
 (a campaign paused, a stop) wait for the pause's end to be given back."""
+_CANNOT_COMPOSE = "cannot compose yet"
+"""How the error of a message that waits for its sender (its DKIM key) begins: it is the pause's reason."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -644,8 +646,12 @@ class Worker:
         try:
             return self.composer.compose(held.delivery)
         except ComposeLater as exc:
+            # The account's DKIM key cannot be read: every message of its sender would wait alike. A
+            # campaign's row pauses its campaign (see Retry.sender_wide), rather than each row failing
+            # after its tries and the campaign ending "sent" with nothing delivered.
             held.started = True
-            self._push(_Result(held, Retry(f"cannot compose yet: {exc}")))
+            self._hold_back_campaign(held.delivery)
+            self._push(_Result(held, Retry(f"{_CANNOT_COMPOSE}: {exc}", sender_wide=True)))
         except ComposeError as exc:
             held.started = True
             self._push(_Result(held, Permanent(f"cannot compose: {exc}")))
@@ -928,7 +934,12 @@ class Worker:
                 # pauses (in this transaction) and the row goes back for its resume. Counted all the
                 # same: a refusal that was this row's after all (a reply read wrongly as the sender's)
                 # fails it after its tries, across resumes, instead of pausing the campaign at each.
-                refusals.append((d.account_id, d.campaign_id, d.key, d.attempt, outcome.error))
+                reason = (
+                    outcome.error
+                    if outcome.error.startswith(_CANNOT_COMPOSE)
+                    else f"the transport refuses the campaign's sender: {outcome.error}"
+                )
+                refusals.append((d.account_id, d.campaign_id, d.key, d.attempt, reason))
                 retry.append(RetryRecord(d.account_id, d.delivery_id, d.attempt, 0.0, outcome.error, outcome.uncertain))
             elif isinstance(outcome, Retry):
                 if d.failures + 1 >= self.config.max_failures:
@@ -963,12 +974,12 @@ class Worker:
             # Only a refusal the row still stands for: a stale attempt's (the row re-claimed since,
             # perhaps after the sender was fixed and the campaign resumed) pauses nothing.
             refused = {
-                (account_id, campaign_id): error
-                for account_id, campaign_id, key, attempt, error in refusals
+                (account_id, campaign_id): reason
+                for account_id, campaign_id, key, attempt, reason in refusals
                 if key in recorded_retry and attempt == latest[key]
             }
-            for (account_id, campaign_id), error in sorted(refused.items()):
-                alert = await feedback.pause_for_refused_sender(conn, account_id, campaign_id, error)
+            for (account_id, campaign_id), reason in sorted(refused.items()):
+                alert = await feedback.pause_for_refused_sender(conn, account_id, campaign_id, reason)
                 if alert is not None:
                     paused.append((account_id, alert))
         for account_id, alert in paused:

@@ -183,15 +183,11 @@ async def check_campaign(
     )
 
 
-async def pause_for_refused_sender(conn: Conn, account_id: int, campaign_id: int, error: str) -> dict[str, Any] | None:
-    """Pause a sending campaign whose sender the transport refuses (see ``Retry.sender_wide``), rather
-    than fail its rows one by one; returns the new alert. Its rows wait, queued, for the resume."""
-    return await _pause(
-        conn,
-        account_id,
-        campaign_id,
-        {"reason": storable(f"the transport refuses the campaign's sender: {error}"[:1000]), "sender_refused": True},
-    )
+async def pause_for_refused_sender(conn: Conn, account_id: int, campaign_id: int, reason: str) -> dict[str, Any] | None:
+    """Pause a sending campaign whose sender's mail cannot go out (see ``Retry.sender_wide``: the
+    transport refuses the sender, the account's DKIM key cannot be read), rather than fail its rows
+    one by one; returns the new alert. Its rows wait, queued, for the resume."""
+    return await _pause(conn, account_id, campaign_id, {"reason": storable(reason[:1000]), "sender_refused": True})
 
 
 async def _pause(conn: Conn, account_id: int, campaign_id: int, detail: dict[str, Any]) -> dict[str, Any] | None:

@@ -50,7 +50,8 @@ class Retry:
     failures, and the worker's lanes pause before their next try (the outage's backoff)."""
     sender_wide: bool = False
     """The failure is the sender's, not this message's nor its recipient's: the relay refuses the
-    envelope's sender (a 5xx to MAIL FROM), the provider refuses the account's domain. Every message
+    envelope's sender (a 5xx to MAIL FROM), the provider refuses the account's domain, the worker
+    cannot read the account's DKIM key (the worker's own Retry, before any send). Every message
     of that sender would fail alike: a campaign's row pauses its campaign (the operator fixes the
     sender and resumes it) and goes back uncounted; any other row is retried, counted."""
 
