@@ -678,6 +678,31 @@ async def test_a_refusal_of_mail_from_followed_by_a_close_is_read_as_the_refusal
         ("data", "550 5.1.1 user unknown", "address"),
         ("data", "554 5.7.1 Message rejected as spam", "message"),
         ("data", "554 Message rejected: Email address is not verified.", "message"),
+        # a next server's reply, quoted: the recipient's relay could not verify it (Postfix)
+        (
+            "rcpt",
+            "550 5.1.1 <reader1@example.org>: Recipient address rejected: undeliverable address: host"
+            " mx.example.org[192.0.2.9] said: 554 5.7.1 <reader1@example.org>: Relay access denied (in reply"
+            " to RCPT TO command)",
+            "address",
+        ),
+        ("rcpt", "550-Callout verification failed:\n550 550 relay not permitted", "message"),  # Exim's
+        (
+            "rcpt",
+            "550-Verification failed for <news@example.com>\n550-Called:   192.0.2.1\n550-Sent:     RCPT"
+            " TO:<news@example.com>\n550-Response: 550 relay not permitted\n550 Sender verify failed",
+            "sender",
+        ),
+        # no enhanced status (Exim): a 550 is the address's only when its words say so
+        ("rcpt", "550 Unrouteable address", "address"),
+        ("rcpt", "550 Administrative prohibition", "message"),
+        ("rcpt", "550 Domain example.com has exceeded the max emails per hour (100/100 (100%)) allowed.", "sender"),
+        ("rcpt", "550 192.0.2.1 is listed at zen.spamhaus.org", "sender"),
+        ("rcpt", "550 5.7.606 Access denied, banned sending IP [192.0.2.1]", "sender"),  # Microsoft
+        # our sending quota, spent
+        ("data", "550 5.4.5 Daily user sending limit exceeded.", "sender"),  # Gmail
+        ("data", "554 5.2.0 STOREDRV.Submission.Exception:SendAsDeniedException.MapiExceptionSendAsDenied", "sender"),
+        ("data", "552 5.2.2 The email account that you tried to reach is over quota", "message"),
     ],
 )
 async def test_only_a_reply_that_says_the_address_is_bad_is_a_hard_bounce(

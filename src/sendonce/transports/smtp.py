@@ -106,38 +106,75 @@ _ENHANCED_STATUS = re.compile(r"\s*[245]\.(\d{1,3})\.(\d{1,3})(?!\S)")
 """RFC 3463's ``class.subject.detail``, which RFC 2034 servers put first in a reply's text."""
 
 
-_ADDRESSES = re.compile(r"<[^>]*>|\S+@\S+")
+_CLASSIFIED_CHARS = 1000
+"""How much of a refusal's text is read for its meaning: the status and the words come first, and a
+longer text (a hostile relay may send 64 KiB) would only cost the worker's event loop."""
+_ADDRESSES = re.compile(r"<[^<>]*>|(?<!\S)[^\s@]*@\S+")
 """Addresses a reply echoes back: their words are not the reply's (``<relay@example.org>``)."""
+_QUOTED = re.compile(
+    r"(?s:\bsaid:.*?(?:\(in\s+reply\s+to\b[^)]*\)|\Z))"
+    r"|(?m:^Response:.*$)"
+    r"|(?s:\bcallout\s+verification\s+failed:.*)",
+    re.IGNORECASE,
+)
+"""A next server's reply that a relay quotes within its own: Postfix's "host mx.example[...] said:
+554 5.7.1 Relay access denied (in reply to RCPT TO command)" of a recipient it could not verify, and
+Exim's callouts ("Response: ...", "Callout verification failed: ..."). Those words refused the relay
+that asked, not us."""
 _REFUSES_US = re.compile(
     r"\brelay(?:ing)?\s+(?:access\s+)?(?:denied|not\s+(?:permitted|allowed)|prohibited)"
     r"|\b(?:unable|not\s+(?:permitted|allowed|authori[sz]ed))\s+to\s+relay"
     r"|\bsender\s+(?:address\s+)?(?:rejected|refused|denied|not\s+allowed)"
     r"|\bsender\s+verif(?:y|ication)\s+failed"
-    r"|\bclient\s+host\b.*\b(?:rejected|blocked|denied)",
-    re.IGNORECASE | re.DOTALL,
+    r"|\bclient\s+host\b[^\n]{0,200}?\b(?:rejected|blocked|denied)"
+    r"|\b(?:black|block)?listed\s+(?:at|in|on|by)\b|\bbanned\s+sending\s+IP"
+    r"|\bsending\s+(?:limit|quota)|\bmax(?:imum)?\s+(?:e-?mails|messages)\s+per\s+(?:hour|day)"
+    r"|\bsender\s+rate\b|\brate\s+limit|SendAsDenied|SubmissionQuotaExceeded",
+    re.IGNORECASE,
 )
-"""How Postfix, Exim and Microsoft word a refusal of us (our relaying, our sender, our client host)
-rather than of the recipient; Postfix makes its sender and client checks at RCPT by default."""
+"""How Postfix, Exim, Gmail and Microsoft word a refusal of us rather than of the recipient: our
+relaying, our sender, our client host or address (a blocklist), our sending quota or rate. Postfix
+makes its sender and client checks at RCPT by default."""
+_ADDRESS_IS_BAD = re.compile(
+    r"\b(?:user|mailbox|recipient|address)\s+(?:unknown|not\s+found|unavailable|does\s*n[o']t\s+exist)"
+    r"|\bunknown\s+(?:user|mailbox|recipient|address)|\bno\s+such\s+(?:user|mailbox|recipient|address|account)"
+    r"|\b(?:does\s+not|doesn't)\s+exist|\bunroute?able\b|\binvalid\s+(?:user|mailbox|recipient|address)"
+    r"|\bno\s+mailbox\b|\b(?:account|mailbox)\s+(?:is\s+|has\s+been\s+)?(?:disabled|inactive|closed)",
+    re.IGNORECASE,
+)
+"""Words that say the recipient's address is bad, for a reply without an enhanced status (Exim,
+which sends none by default: "550 Unrouteable address", "550 No Such User Here")."""
 
 
 def _permanent_refusal(phase: str, code: int, text: str) -> str:
     """What a 5xx to RCPT or DATA refuses: "address" (the recipient's address is bad: a hard
     bounce), "sender" (the relay will not take mail from us: it does not relay for us, refuses our
-    sender or our client host) or "message" (this message, here: content, policy, size, a full
-    mailbox). Anything else it is not sure of is "message": that fails one message, suppressing
-    nobody, where a wrong "address" would drop a subscriber from every later campaign."""
-    if _REFUSES_US.search(_ADDRESSES.sub(" ", text)):
-        return "sender"
+    sender, our client host or its address, or our sending quota is spent) or "message" (this
+    message, here: content, policy, size, a full mailbox). Anything else it is not sure of is
+    "message": that fails one message, suppressing nobody, where a wrong "address" would drop a
+    subscriber from every later campaign, and a wrong "sender" pauses a whole campaign."""
+    text = text[:_CLASSIFIED_CHARS]
     status = _ENHANCED_STATUS.match(text)
-    if status is not None:
-        subject, detail = int(status[1]), int(status[2])
-        if subject == 1 and detail in (7, 8):  # X.1.7, X.1.8: the sender's mailbox or system address
-            return "sender"
-        if phase != "mail" and (subject == 1 or (subject, detail) == (2, 1)):  # addressing; mailbox disabled
-            return "address"
+    subject, detail = (int(status[1]), int(status[2])) if status is not None else (None, None)
+    if subject == 1 and detail in (7, 8):  # X.1.7, X.1.8: the sender's mailbox or system address
+        return "sender"
+    # X.1.1-X.1.6 (the destination address: unknown, its system, its syntax, moved), X.2.1 (the
+    # mailbox disabled) say the address is bad, whatever the words (they may quote another server).
+    addressing = (subject == 1 and detail in range(1, 7)) or (subject, detail) == (2, 1)
+    if addressing and phase != "mail":
+        return "address"
+    # the reply's own words: not an address it echoes, not another server's reply it quotes
+    if _REFUSES_US.search(_QUOTED.sub(" ", _ADDRESSES.sub(" ", text))) or (subject, detail) == (4, 5):
+        return "sender"  # X.4.5, mail system congestion (Gmail: "daily user sending limit exceeded")
+    if phase == "mail":
         return "message"
-    # No enhanced status: RFC 5321's 550, 551 and 553 to RCPT name the mailbox.
-    return "address" if phase == "rcpt" and code in (550, 551, 553) else "message"
+    if subject is not None:
+        return "address" if subject == 1 else "message"  # X.1.0: other address status
+    # No enhanced status: RFC 5321's 550, 551 and 553 to RCPT name the mailbox, but Exim's ACLs and
+    # its rate and quota limits answer 550 too ("550 Administrative prohibition"): the words decide.
+    if phase == "rcpt" and code in (550, 551, 553) and _ADDRESS_IS_BAD.search(_QUOTED.sub(" ", text)):
+        return "address"
+    return "message"
 
 
 class ClosedAfter(aiosmtplib.SMTPServerDisconnected):
