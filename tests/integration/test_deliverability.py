@@ -543,7 +543,8 @@ async def test_a_missing_dkim_key_pauses_the_campaign_instead_of_failing_it_or_s
     addresses = emails(3)
     cid = _campaign_via_api(client, auth, addresses)
     config = WorkerConfig(tick=0.2, lease=5, drain=True, backoff_base=0.05, backoff_cap=0.2, max_failures=2)
-    await run_to_drain(database_url, transport_from_url(inbox.url), config)  # drained: the campaign is paused
+    shared = composer()  # one worker's cache of accounts, across the pause and the resume
+    await run_to_drain(database_url, transport_from_url(inbox.url), config, composer=shared)  # drained: paused
     assert inbox.messages == []
     shown = client.get(f"/v1/campaigns/{cid}", headers=auth).json()
     assert shown["status"] == "paused", shown
@@ -556,8 +557,8 @@ async def test_a_missing_dkim_key_pauses_the_campaign_instead_of_failing_it_or_s
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     key_file.write_bytes(pem)
-    assert client.post(f"/v1/campaigns/{cid}/resume", headers=auth).status_code == 200
-    await run_to_drain(database_url, transport_from_url(inbox.url), config)
+    assert client.post(f"/v1/campaigns/{cid}/resume", headers=auth).status_code == 200  # at once
+    await run_to_drain(database_url, transport_from_url(inbox.url), config, composer=shared)
     assert inbox.by_recipient() == dict.fromkeys(addresses, 1)
     assert all("DKIM-Signature" in m.parsed() for m in inbox.messages)
     assert client.get(f"/v1/campaigns/{cid}", headers=auth).json()["status"] == "sent"

@@ -390,8 +390,9 @@ async def test_a_relay_that_is_down_holds_the_mail_and_is_probed_not_hammered(da
 async def test_a_relay_that_refuses_the_sender_pauses_the_campaign_and_loses_nothing(database_url: str) -> None:
     # The relay refuses the campaign's sender (a 5xx to MAIL FROM: not allowed to send for that
     # domain). It used to fail every row in turn on its first try, and the campaign ended "sent" with
-    # nothing delivered. The campaign pauses instead, saying why, with an alert; no row fails or is
-    # counted; once the relay is fixed a resume sends each address once.
+    # nothing delivered. The campaign pauses instead, saying why, with an alert; no row fails, the
+    # refused one counts one try and the others are given back uncounted; once the relay is fixed a
+    # resume sends each address once.
     addresses = emails(20)
     setup = await campaign_setup(database_url, addresses)
     refusing = True

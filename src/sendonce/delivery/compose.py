@@ -214,7 +214,9 @@ class Composer:
 
     async def _load_sender(self, conn: Conn, account_id: int) -> None:
         cached = self._senders.get(account_id)
-        if cached is not None and time.monotonic() - cached[0] < _ACCOUNT_TTL:
+        # A sender whose DKIM key could not be read is read again at each batch: the operator who put
+        # the key in place and resumed the campaign at once must not meet the old error for a minute.
+        if cached is not None and cached[1].dkim_error is None and time.monotonic() - cached[0] < _ACCOUNT_TTL:
             return
         account = await account_store.get_account(conn, account_id)
         if account is None:
@@ -246,10 +248,13 @@ class Composer:
 
     async def prepare(self, conn: Conn, batch: Iterable[ClaimedDelivery]) -> None:
         """Load what the batch needs that is not cached yet (one query per new campaign or account)."""
+        senders: set[int] = set()
         for delivery in batch:
             if delivery.blocked:
                 continue
-            await self._load_sender(conn, delivery.account_id)
+            if delivery.account_id not in senders:
+                senders.add(delivery.account_id)
+                await self._load_sender(conn, delivery.account_id)
             if delivery.campaign_id is None:
                 continue
             key = (delivery.account_id, delivery.campaign_id)
