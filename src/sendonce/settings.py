@@ -55,7 +55,7 @@ class Settings(BaseSettings):
     public_url: str = "http://127.0.0.1:8000"
     """Base URL where people reach the API (verification and unsubscribe links)."""
     unsubscribe_mailto: str | None = None
-    """Mailbox of the mailto: part of List-Unsubscribe (default unsubscribe@<sending domain>)."""
+    """Mailbox of the mailto: part of List-Unsubscribe, one that someone processes (default: no mailto: part)."""
     signup_window: Duration = Field(default=timedelta(hours=1))
     """Repeats of a signup within this window queue no new mail (1s to 30d)."""
     alert_webhook_url: str | None = None

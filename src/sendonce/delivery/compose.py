@@ -45,7 +45,7 @@ class Links:
     keys: KeyRing
     public_url: str
     unsubscribe_mailto: str | None = None
-    """Address for the mailto: part of List-Unsubscribe; default unsubscribe@<sending domain>."""
+    """Mailbox for a mailto: part of List-Unsubscribe, which someone reads; without one, none."""
 
     def unsubscribe_token(self, account_id: int, subscriber_id: int, campaign_id: int) -> str:
         return self.keys.sign_stable(UNSUBSCRIBE_PURPOSE, {"a": account_id, "s": subscriber_id, "c": campaign_id})
@@ -53,10 +53,14 @@ class Links:
     def unsubscribe_url(self, token: str) -> str:
         return f"{self.public_url.rstrip('/')}/u/{token}"
 
-    def list_unsubscribe(self, token: str, domain: str) -> str:
-        """RFC 2369 List-Unsubscribe: the one-click HTTPS URL, then a mailto: fallback."""
-        mailbox = self.unsubscribe_mailto or f"unsubscribe@{domain}"
-        return f"<{self.unsubscribe_url(token)}>, <mailto:{mailbox}?subject=unsubscribe%20{token}>"
+    def list_unsubscribe(self, token: str) -> str:
+        """RFC 2369 List-Unsubscribe: the one-click URL (RFC 8058), then a mailto: fallback when a
+        mailbox for it is configured. sendonce reads no mailbox: a mailto: to one that nobody
+        processes (it was unsubscribe@<sending domain> by default) loses every unsubscribe sent there."""
+        url = f"<{self.unsubscribe_url(token)}>"
+        if self.unsubscribe_mailto is None:
+            return url
+        return f"{url}, <mailto:{self.unsubscribe_mailto}?subject=unsubscribe%20{token}>"
 
 
 def _footer_text(url: str) -> str:
@@ -329,7 +333,7 @@ class Composer:
             to_header=format_address(delivery.name, recipient),
             message_id=message_id(delivery.job_id, content.domain),
             date=self._date.now(),
-            list_unsubscribe=self.links.list_unsubscribe(token, content.domain),
+            list_unsubscribe=self.links.list_unsubscribe(token),
             dkim=dkim,
             key_maybe_used=delivery.uncertain,
         )

@@ -49,7 +49,7 @@ class MessageHead:
     message_id: str
     date: str
     list_unsubscribe: str
-    """The List-Unsubscribe value (RFC 2369): the one-click URL, then a mailto: fallback."""
+    """The List-Unsubscribe value (RFC 2369): the one-click URL, then a mailto: fallback if configured."""
     dkim: DkimKey | None = None
     key_maybe_used: bool = True
 
