@@ -576,8 +576,24 @@ async def test_a_421_at_any_step_is_transport_wide(pipelining: bool) -> None:
         ("550 5.7.1 Client host rejected: access denied", "sender_wide"),
         ("552 5.3.4 Message size exceeds fixed limit", "permanent"),
         ("503 5.5.1 Error: nested MAIL command", "counted"),
+        ("500 5.5.2 Error: bad syntax", "counted"),
+        ("502 5.5.1 Error: command not implemented", "counted"),
+        ("503 5.7.0 Error: authentication required", "transport_wide"),
+        ("504 5.5.4 Unrecognized parameter", "permanent"),
+        ("555 5.5.4 Unsupported option: SMTPUTF8", "permanent"),
     ],
-    ids=["530-login-required", "553-sender-rejected", "550-client-rejected", "552-this-message", "503-out-of-step"],
+    ids=[
+        "530-login-required",
+        "553-sender-rejected",
+        "550-client-rejected",
+        "552-this-message",
+        "503-out-of-step",
+        "500-out-of-step",
+        "502-out-of-step",
+        "503-asks-for-login",
+        "504-this-message",
+        "555-this-message",
+    ],
 )
 async def test_a_refused_sender_is_not_the_recipients_bounce(pipelining: bool, reply: str, expected: str) -> None:
     """A 5xx to MAIL FROM refuses the sender, the login or this client, never the recipient: it was a
@@ -605,19 +621,21 @@ async def test_a_refused_sender_is_not_the_recipients_bounce(pipelining: bool, r
 
 @MODES
 @pytest.mark.parametrize(
-    ("reply", "expected"),
+    ("step", "reply", "expected"),
     [
-        ("550 5.7.1 Client host rejected: access denied", "sender_wide"),
-        ("421 4.7.0 Too busy, closing", "transport_wide"),
+        (b"MAIL", "550 5.7.1 Client host rejected: access denied", "sender_wide"),
+        (b"MAIL", "421 4.7.0 Too busy, closing", "transport_wide"),
+        (b"RCPT", "554 5.7.1 <reader@example.org>: Relay access denied", "sender_wide"),
+        (b"RCPT", "550 5.1.1 <reader@example.org>: Recipient address rejected: User unknown", "hard_bounce"),
     ],
-    ids=["550-then-close", "421-then-close"],
+    ids=["550-mail-then-close", "421-mail-then-close", "554-rcpt-relay-then-close", "550-rcpt-unknown-then-close"],
 )
-async def test_a_refusal_of_mail_from_followed_by_a_close_is_read_as_the_refusal(
-    pipelining: bool, reply: str, expected: str
+async def test_a_refusal_followed_by_a_close_is_read_as_the_refusal(
+    pipelining: bool, step: bytes, reply: str, expected: str
 ) -> None:
-    """A relay that refuses MAIL FROM and then closes (RFC 5321 after a 421; Exim's ``drop``): with
-    the envelope pipelined, the close came while RCPT's and DATA's replies were awaited, and the
-    refusal read before it was dropped for a "connection lost", counted against the message."""
+    """A relay that refuses MAIL FROM or RCPT TO and then closes (RFC 5321 after a 421; Exim's
+    ``drop``): with the envelope pipelined, the close came while the next replies were awaited, and
+    the refusal read before it was dropped for a "connection lost", counted against the message."""
 
     ended = asyncio.Event()
 
@@ -631,7 +649,7 @@ async def test_a_refusal_of_mail_from_followed_by_a_close_is_read_as_the_refusal
                     continue  # what the client sent after the refusal is read and dropped
                 if command == b"EHLO":
                     writer.write(b"250-relay\r\n250-PIPELINING\r\n250 8BITMIME\r\n")
-                elif command == b"MAIL":
+                elif command == step:
                     writer.write(reply.encode() + b"\r\n")
                     writer.write_eof()  # a clean close of our side (no reset: nothing of the reply is lost)
                     closed = True
@@ -651,8 +669,11 @@ async def test_a_refusal_of_mail_from_followed_by_a_close_is_read_as_the_refusal
         finally:
             await channel.close()
         await asyncio.wait_for(ended.wait(), 5)
+    assert outcome.error.startswith(f"{step.decode().lower()}: {reply[:3]}"), outcome
+    if expected == "hard_bounce":
+        assert isinstance(outcome, Permanent) and outcome.hard_bounce, outcome
+        return
     assert isinstance(outcome, Retry) and not outcome.uncertain, outcome
-    assert outcome.error.startswith(f"mail: {reply[:3]}"), outcome
     assert (outcome.transport_wide, outcome.sender_wide) == (expected == "transport_wide", expected == "sender_wide")
 
 
