@@ -115,7 +115,7 @@ async def test_refused_credentials_are_retried_not_failed() -> None:
         outcome = await _send(provider.url.replace("re_live_key", "re_revoked_key"), _message())
         assert provider.by_job() == {}
     assert isinstance(outcome, Retry) and not outcome.uncertain and outcome.transport_wide, outcome
-    assert outcome.error.startswith("401")
+    assert outcome.error.startswith("403 invalid_api_key")  # Resend's answer to a key it does not know
 
 
 async def test_a_rate_limit_is_transport_wide_and_keeps_its_retry_after() -> None:
@@ -132,18 +132,53 @@ async def test_a_server_error_is_about_the_message_and_uncertain() -> None:
     assert isinstance(outcome, Retry) and outcome.uncertain and not outcome.transport_wide, outcome
 
 
+def _named(name: str) -> bytes:
+    return json.dumps({"name": name, "message": "no"}).encode()
+
+
 @pytest.mark.parametrize(
-    ("status", "name", "uncertain", "transport_wide", "sender_wide"),
+    ("status", "body", "uncertain", "transport_wide", "sender_wide"),
     [
-        (503, "service_unavailable", True, True, False),  # the provider is down: it may have taken it, even so
-        (502, "bad_gateway", True, True, False),
-        (403, "validation_error", False, False, True),  # the account's domain, not every account's
+        (503, _named("service_unavailable"), True, True, False),  # the provider is down: it may have taken it, even so
+        (502, _named("bad_gateway"), True, True, False),
+        (403, _named("validation_error"), False, False, True),  # the account's domain, not every account's
+        (403, _named("invalid_api_key"), False, True, False),  # Resend's answer to a revoked key
+        (401, _named("missing_api_key"), False, True, False),
+        # a 2xx that is not the provider's answer (a captive proxy, a base URL naming something else):
+        # recorded sent, the message would never be delivered; a body parsed wrongly crashed the worker
+        (200, b"<html><body>Please log in to the hotel Wi-Fi</body></html>", True, True, False),
+        (200, b'["queued"]', True, True, False),
+        (200, b'{"id": null}', True, True, False),
+        (200, b"[" * 100_000, True, True, False),
+        # a 409 that is not the provider's word on the key is not "already sent"
+        (409, b"<html>Conflict</html>", True, False, False),
+        # the endpoint, not the message: every message would meet it, none fails for it
+        (307, b"", False, True, False),
+        (404, _named("not_found"), False, True, False),
+        (405, _named("method_not_allowed"), False, True, False),
+        (408, b"", False, False, False),
+    ],
+    ids=[
+        "503",
+        "502",
+        "403-domain",
+        "403-invalid-key",
+        "401-missing-key",
+        "200-html",
+        "200-list",
+        "200-null-id",
+        "200-deep-json",
+        "409-proxy",
+        "307",
+        "404",
+        "405",
+        "408",
     ],
 )
 async def test_how_a_provider_answer_is_read(
-    status: int, name: str, uncertain: bool, transport_wide: bool, sender_wide: bool
+    status: int, body: bytes, uncertain: bool, transport_wide: bool, sender_wide: bool
 ) -> None:
-    """The statuses the test provider does not make, from a real HTTP server that answers them."""
+    """The answers the test provider does not make, from a real HTTP server that answers them."""
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
@@ -151,10 +186,10 @@ async def test_how_a_provider_answer_is_read(
             int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
         )
         await reader.readexactly(length)
-        body = json.dumps({"name": name, "message": "no"}).encode()
+        kind = "application/json" if body[:1] in (b"{", b"[") else "text/html"
         writer.write(
-            f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n".encode()
+            f"HTTP/1.1 {status} X\r\ncontent-type: {kind}\r\ncontent-length: {len(body)}\r\n"
+            "location: https://api.example.test/emails\r\nconnection: close\r\n\r\n".encode()
             + body
         )
         await writer.drain()
@@ -163,9 +198,45 @@ async def test_how_a_provider_answer_is_read(
     server = await asyncio.start_server(answer, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     async with server:
-        outcome = await _send_to(port)
+        outcome = await _send_to(port)  # asserts a Retry: neither recorded sent nor failed for good
     assert (outcome.uncertain, outcome.transport_wide, outcome.sender_wide) == (uncertain, transport_wide, sender_wide)
-    assert outcome.error.startswith(str(status))
+    assert str(status) in outcome.error
+
+
+async def test_an_answer_that_trickles_in_ends_within_the_send_timeout() -> None:
+    """httpx's timeout bounds each read on its own: an answer that never ends, a byte a second, held
+    the lane past the worker's budget, which must end before the claim's lease does."""
+    trickling, ended = asyncio.Event(), asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n{")
+            while not reader.at_eof():  # until the client gives up
+                await writer.drain()
+                trickling.set()
+                await asyncio.sleep(0.2)
+                writer.write(b" ")
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+            ended.set()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport = transport_from_url(f"resend+http://re_test@127.0.0.1:{port}?timeout=30")
+    await transport.start()
+    channel = transport.channel()
+    try:
+        async with server:
+            outcome = await asyncio.wait_for(channel.send(_message(), timeout=1.0), 60)
+    finally:
+        await channel.close()
+        await transport.close()
+    await asyncio.wait_for(ended.wait(), 10)
+    assert trickling.is_set()
+    assert isinstance(outcome, Retry) and outcome.uncertain and outcome.error.startswith("timeout"), outcome
 
 
 @pytest.mark.parametrize(

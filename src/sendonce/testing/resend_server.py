@@ -94,7 +94,9 @@ class ResendServer:
         if self.faults.delay_seconds:
             await asyncio.sleep(self.faults.delay_seconds)
         if request.headers.get("authorization") != f"Bearer {self.api_key}":
-            return JSONResponse({"name": "invalid_api_key", "message": "API key is invalid"}, status_code=401)
+            if not request.headers.get("authorization"):
+                return JSONResponse({"name": "missing_api_key", "message": "Missing API key"}, status_code=401)
+            return JSONResponse({"name": "invalid_api_key", "message": "API key is invalid"}, status_code=403)
         raw = await request.body()
         try:
             body = json.loads(raw)

@@ -6,6 +6,7 @@ re-send after a crash is harmless: exactly once, as long as the re-send comes wi
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import email.utils
 import logging
@@ -57,14 +58,25 @@ def _retry_after(response: httpx.Response) -> float | None:
     return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
-def _error_name(response: httpx.Response) -> str:
+def _json_object(response: httpx.Response) -> dict[str, Any] | None:
+    """The answer's body, when it is a JSON object (a proxy's HTML page, a list or a string is not)."""
     try:
         body = response.json()
-    except ValueError:
-        return ""
-    if isinstance(body, dict):
-        return str(body.get("name") or body.get("code") or "")
-    return ""
+    except (ValueError, RecursionError):  # not JSON, not text, or nested past the parser's depth
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _error_name(response: httpx.Response) -> str:
+    body = _json_object(response)
+    return str(body.get("name") or body.get("code") or "") if body is not None else ""
+
+
+def _email_id(response: httpx.Response) -> str | None:
+    """The provider's id of the email it accepted: a non-empty string in a JSON object, or None."""
+    body = _json_object(response)
+    email_id = body.get("id") if body is not None else None
+    return email_id if isinstance(email_id, str) and email_id else None
 
 
 class ResendTransport(Transport):
@@ -131,17 +143,20 @@ class ResendChannel(Channel):
                 return Withheld("withheld before the request")
             timeout = max(min(timeout, left), 0.1)
         try:
-            response = await self.transport.client.post(
-                "/emails",
-                json=payload(message),
-                headers={"Idempotency-Key": message.job_id},
-                timeout=timeout,
-            )
+            # httpx's timeout bounds each phase (connect, write, each read) on its own: an answer
+            # trickling in could outlast the worker's budget, which must end before the claim does
+            async with asyncio.timeout(timeout):
+                response = await self.transport.client.post(
+                    "/emails",
+                    json=payload(message),
+                    headers={"Idempotency-Key": message.job_id},
+                    timeout=timeout,
+                )
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             # no connection, so no byte of the request went out: the provider has nothing (and it is
             # out of reach for every message alike)
             return Retry(f"{type(exc).__name__}: {exc}"[:500], transport_wide=True)
-        except httpx.TimeoutException as exc:
+        except (httpx.TimeoutException, TimeoutError) as exc:
             # The provider may have accepted it before we gave up; the same key makes a re-send safe.
             return Retry(f"timeout: {type(exc).__name__}", uncertain=True)
         except httpx.HTTPError as exc:
@@ -152,18 +167,28 @@ class ResendChannel(Channel):
             logger.exception("unexpected error sending %s", message.job_id)
             return Retry(f"unexpected {type(exc).__name__}: {exc}"[:500], uncertain=True)
         status = response.status_code
-        if 200 <= status < 300:
-            try:
-                message_id = str(response.json().get("id") or "") or None
-            except ValueError:
-                message_id = None
-            return Accepted(message_id)
         name = _error_name(response)
         detail = f"{status} {name or response.reason_phrase}: {response.text[:300]}"
+        if 200 <= status < 300:
+            email_id = _email_id(response)
+            if email_id is None:
+                # Not the provider's answer: a captive proxy's page, a base URL that names something
+                # else. Recorded as sent, the message would never be delivered. The provider may
+                # have it (the same key makes a re-send safe); every message would meet the same.
+                return Retry(
+                    f"a {status} without an email id, not the provider's answer: {detail}",
+                    uncertain=True,
+                    transport_wide=True,
+                )
+            return Accepted(email_id)
         if status == 409:
             if name == "concurrent_idempotent_requests":
                 # The first request with this key is still in flight at the provider: ask again later.
                 return Retry(detail, retry_after=_retry_after(response) or 1.0)
+            if name != "invalid_idempotent_request":
+                # Not the provider's word on the key (a proxy's 409, a name it does not use): nothing
+                # says the message went out, so it is not recorded sent; the same key makes a re-send safe.
+                return Retry(detail, uncertain=True)
             if not message.key_maybe_used:
                 # No earlier attempt of this job can have reached the provider, yet it knows the key:
                 # someone else used it (another installation with the same API key, a database
@@ -184,11 +209,19 @@ class ResendChannel(Channel):
             return Retry(
                 detail, uncertain=True, retry_after=_retry_after(response), transport_wide=status in (502, 503, 504)
             )
-        if status == 401:
-            # Our API key, not this message: a key revoked or rotated must not fail every row it
-            # meets. Retried, not counted against the message (as an SMTP login refused is), until
-            # the operator fixes it. Refused: nothing was delivered.
+        if status == 401 or (status == 403 and name == "invalid_api_key"):
+            # Our API key, not this message (Resend answers 403 invalid_api_key for a revoked one,
+            # 401 for none): a key revoked or rotated must not fail every row it meets. Retried, not
+            # counted against the message (as an SMTP login refused is), until the operator fixes it.
+            # Refused: nothing was delivered.
             return Retry(detail, transport_wide=True)
+        if 300 <= status < 400 or status in (404, 405):
+            # The base URL, not this message: a redirect (httpx follows none: http to https, a moved
+            # API), no such endpoint. Every message would meet it: the lanes pause, nothing counted.
+            return Retry(detail, transport_wide=True)
+        if status in (408, 425):
+            # the server gave up waiting for the request, or asks for it again later: this try's failure
+            return Retry(detail)
         if status == 403:
             # The sending account's standing (a domain not verified, a sender not allowed): not this
             # message's content, but not every account's either. A campaign pauses until the
