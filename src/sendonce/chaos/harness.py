@@ -274,7 +274,8 @@ class Harness:
         for proc in procs:
             if not wait_healthy(proc):
                 raise RuntimeError(f"the API process did not start: see {proc.log_path}")
-        self.api = Api(lambda: [p.base_url for p in self.procs.live("api")], self.rng)
+        # used from the harness's own thread only, which also respawns the API processes (babysit)
+        self.api = Api(lambda: [p.base_url for p in self.procs.live("api")], self.rng, revive=self.babysit)
         return procs
 
     def set_up_campaign(self) -> CampaignSetup:
