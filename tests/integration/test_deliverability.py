@@ -93,17 +93,19 @@ async def test_campaign_messages_carry_compliant_headers_and_a_visible_link(data
     assert html.rstrip().endswith("</body></html>")  # the footer went inside the body
 
 
-async def test_a_configured_unsubscribe_mailbox_is_the_mailto_fallback(database_url: str, inbox: Inbox) -> None:
+@pytest.mark.parametrize("mailbox", ["unsub@lists.acme.test", ""], ids=["configured", "set-empty"])
+async def test_a_configured_unsubscribe_mailbox_is_the_mailto_fallback(
+    database_url: str, inbox: Inbox, mailbox: str
+) -> None:
     from sendonce.delivery.transactional import default_composer
 
     setup = await campaign_setup(database_url, ["ann@example.test"])
-    links = Links(KeyRing(TEST_SECRET.encode()), PUBLIC_URL, unsubscribe_mailto="unsub@lists.acme.test")
+    links = Links(KeyRing(TEST_SECRET.encode()), PUBLIC_URL, unsubscribe_mailto=mailbox)
     await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN, composer=default_composer(links))
     sid = _one(database_url, "SELECT subscriber_id FROM sendonce.subscribers")[0]
     token = LINKS.unsubscribe_token(setup.account_id, sid, setup.campaign_id)  # type: ignore[arg-type]
-    assert inbox.messages[0].parsed()["List-Unsubscribe"] == (
-        f"<{PUBLIC_URL}/u/{token}>, <mailto:unsub@lists.acme.test?subject=unsubscribe%20{token}>"
-    )
+    mailto = f", <mailto:{mailbox}?subject=unsubscribe%20{token}>" if mailbox else ""
+    assert inbox.messages[0].parsed()["List-Unsubscribe"] == f"<{PUBLIC_URL}/u/{token}>{mailto}"
 
 
 async def test_one_click_unsubscribe_mid_campaign(database_url: str, client: httpx.Client) -> None:

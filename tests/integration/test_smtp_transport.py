@@ -724,6 +724,26 @@ async def test_a_refusal_followed_by_a_close_is_read_as_the_refusal(
         ("data", "550 5.4.5 Daily user sending limit exceeded.", "sender"),  # Gmail
         ("data", "554 5.2.0 STOREDRV.Submission.Exception:SendAsDeniedException.MapiExceptionSendAsDenied", "sender"),
         ("data", "552 5.2.2 The email account that you tried to reach is over quota", "message"),
+        # a recipient's own limits and lists are not ours: one such mailbox must not pause the campaign
+        ("rcpt", "550 5.7.1 Recipient rate limit exceeded", "message"),
+        ("rcpt", "550 5.7.1 This mailbox has reached its receive rate limit", "message"),
+        (
+            "rcpt",
+            "550 Requested action not taken: mailbox unavailable. Recipient has exceeded its rate limit",
+            "message",
+        ),
+        ("rcpt", "550 Recipient not listed in our directory", "message"),
+        ("rcpt", "550 5.7.0 Local policy violation: recipient is listed in our do-not-email list", "message"),
+        ("rcpt", "550 Requested action not taken: mailbox unavailable", "address"),  # RFC 5321's own words
+        ("rcpt", "554 delivery error: dd This user doesn't have a yahoo.com account (reader1@yahoo.com)", "address"),
+        ("rcpt", "550 5.1.10 RESOLVER.ADR.RecipientNotFound; Recipient not found by SMTP address lookup", "address"),
+        # our sender, our blocklisted address or domain, our quota, in the words of Postfix, Exim, Microsoft
+        ("rcpt", "554 5.7.1 Service unavailable; Sender address [example.com] blocked using dbl.example", "sender"),
+        ("rcpt", "550 rejected because 192.0.2.1 is in a black list at zen.spamhaus.org", "sender"),
+        ("rcpt", "550 5.7.1 Part of their network is on our block list (S3140).", "sender"),
+        ("rcpt", "550 Sender domain does not exist", "sender"),  # not the recipient's hard bounce
+        ("rcpt", "550 Unrouteable sender address", "sender"),
+        ("rcpt", "550 5.1.90 You've reached your daily limit for message recipients", "sender"),
     ],
 )
 async def test_only_a_reply_that_says_the_address_is_bad_is_a_hard_bounce(

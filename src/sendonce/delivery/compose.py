@@ -58,7 +58,7 @@ class Links:
         mailbox for it is configured. sendonce reads no mailbox: a mailto: to one that nobody
         processes (it was unsubscribe@<sending domain> by default) loses every unsubscribe sent there."""
         url = f"<{self.unsubscribe_url(token)}>"
-        if self.unsubscribe_mailto is None:
+        if not self.unsubscribe_mailto:  # unset, or set empty
             return url
         return f"{url}, <mailto:{self.unsubscribe_mailto}?subject=unsubscribe%20{token}>"
 
@@ -233,7 +233,8 @@ class Composer:
                 dkim = load_dkim_key(account.dkim)
             except ComposeLater as exc:
                 dkim_error = str(exc)
-                logger.error("%s", exc, extra={"action": "dkim_key_missing", "account_id": account_id})
+                if cached is None or cached[1].dkim_error != dkim_error:  # once, not at every claim
+                    logger.error("%s", exc, extra={"action": "dkim_key_missing", "account_id": account_id})
         sender = Sender(
             account_id,
             format_address(account.from_name, envelope_from),

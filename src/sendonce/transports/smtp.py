@@ -126,24 +126,40 @@ _REFUSES_US = re.compile(
     r"|\b(?:unable|not\s+(?:permitted|allowed|authori[sz]ed))\s+to\s+relay"
     r"|\bsender\s+(?:address\s+)?(?:rejected|refused|denied|not\s+allowed)"
     r"|\bsender\s+verif(?:y|ication)\s+failed"
+    # our sender's own address or domain is bad (Exim, Sendmail: no enhanced status)
+    r"|\bsender\s+(?:domain|address)\b[^\n]{0,100}?\b(?:does\s*n[o']t\s+exist|unknown|not\s+found|unroute?able)"
+    r"|\bdomain\s+of\s+sender\s+address\b|\bunroute?able\s+sender\b"
+    # our client host, its address or our sender's domain on a blocklist
     r"|\bclient\s+host\b[^\n]{0,200}?\b(?:rejected|blocked|denied)"
-    r"|\b(?:black|block)?listed\s+(?:at|in|on|by)\b|\bbanned\s+sending\s+IP"
+    r"|\bsender\s+address\s+(?:\[[^\]\n]{0,300}\]\s+)?blocked\b"
+    r"|\b(?:black|block|deny)[\s-]?listed\s+(?:at|in|on|by)\b|\b\d{1,3}(?:\.\d{1,3}){3}\]?\s+is\s+listed\b"
+    r"|\bin\s+an?\s+black\s*list\b|\bon\s+our\s+block\s*list\b|\bbanned\s+sending\s+IP"
+    # our sending quota or rate, spent (a recipient's receiving rate is that message's)
     r"|\bsending\s+(?:limit|quota)|\bmax(?:imum)?\s+(?:e-?mails|messages)\s+per\s+(?:hour|day)"
-    r"|\bsender\s+rate\b|\brate\s+limit|SendAsDenied|SubmissionQuotaExceeded",
+    r"|\b(?:sender|sending|outbound|submission)\s+rate\b|\breached\s+your\s+daily\s+limit"
+    r"|SendAsDenied|SubmissionQuotaExceeded",
     re.IGNORECASE,
 )
 """How Postfix, Exim, Gmail and Microsoft word a refusal of us rather than of the recipient: our
 relaying, our sender, our client host or address (a blocklist), our sending quota or rate. Postfix
-makes its sender and client checks at RCPT by default."""
+makes its sender and client checks at RCPT by default. Each names what is ours: a recipient's rate
+limit, or a recipient "not listed in our directory", is not."""
 _ADDRESS_IS_BAD = re.compile(
     r"\b(?:user|mailbox|recipient|address)\s+(?:unknown|not\s+found|unavailable|does\s*n[o']t\s+exist)"
     r"|\bunknown\s+(?:user|mailbox|recipient|address)|\bno\s+such\s+(?:user|mailbox|recipient|address|account)"
     r"|\b(?:does\s+not|doesn't)\s+exist|\bunroute?able\b|\binvalid\s+(?:user|mailbox|recipient|address)"
-    r"|\bno\s+mailbox\b|\b(?:account|mailbox)\s+(?:is\s+|has\s+been\s+)?(?:disabled|inactive|closed)",
+    r"|\bno\s+mailbox\b|\b(?:account|mailbox)\s+(?:is\s+|has\s+been\s+)?(?:disabled|inactive|closed)"
+    r"|\bdoes\s*n[o']t\s+have\s+an?\s+\S+\s+account\b",
     re.IGNORECASE,
 )
 """Words that say the recipient's address is bad, for a reply without an enhanced status (Exim,
-which sends none by default: "550 Unrouteable address", "550 No Such User Here")."""
+which sends none by default: "550 Unrouteable address", "550 No Such User Here"; Yahoo's "554
+delivery error: dd This user doesn't have a yahoo.com account")."""
+_NOT_FOR_GOOD = re.compile(
+    r"\b(?:rate|quota|exceed\w*|limit\w*|temporar\w*|later|policy|spam|blocked)\b", re.IGNORECASE
+)
+"""Words that say a refusal is not about the address being bad, whatever else the reply says."""
+_SENDER = re.compile(r"\bsender\b", re.IGNORECASE)
 
 
 def _permanent_refusal(phase: str, code: int, text: str) -> str:
@@ -158,21 +174,31 @@ def _permanent_refusal(phase: str, code: int, text: str) -> str:
     subject, detail = (int(status[1]), int(status[2])) if status is not None else (None, None)
     if subject == 1 and detail in (7, 8):  # X.1.7, X.1.8: the sender's mailbox or system address
         return "sender"
-    # X.1.1-X.1.6 (the destination address: unknown, its system, its syntax, moved), X.2.1 (the
-    # mailbox disabled) say the address is bad, whatever the words (they may quote another server).
-    addressing = (subject == 1 and detail in range(1, 7)) or (subject, detail) == (2, 1)
+    # X.1.1-X.1.6 (the destination address: unknown, its system, its syntax, moved), X.1.10 (its
+    # domain takes no mail: a null MX, RFC 7505), X.2.1 (the mailbox disabled) say the address is
+    # bad, whatever the words (they may quote another server).
+    addressing = (subject == 1 and detail in (1, 2, 3, 4, 5, 6, 10)) or (subject, detail) == (2, 1)
     if addressing and phase != "mail":
         return "address"
     # the reply's own words: not an address it echoes, not another server's reply it quotes
-    if _REFUSES_US.search(_QUOTED.sub(" ", _ADDRESSES.sub(" ", text))) or (subject, detail) == (4, 5):
+    own = _QUOTED.sub(" ", _ADDRESSES.sub(" ", text))
+    if _REFUSES_US.search(own) or (subject, detail) == (4, 5):
         return "sender"  # X.4.5, mail system congestion (Gmail: "daily user sending limit exceeded")
-    if phase == "mail":
+    if phase == "mail" or _SENDER.search(own):  # words about a sender are not the recipient's bounce
         return "message"
     if subject is not None:
-        return "address" if subject == 1 else "message"  # X.1.0: other address status
+        # X.1.0, other address status; not a status of a subject-1 detail that RFC 3463 does not
+        # define (Microsoft's 5.1.90: "you've reached your daily limit for message recipients")
+        return "address" if (subject, detail) == (1, 0) else "message"
     # No enhanced status: RFC 5321's 550, 551 and 553 to RCPT name the mailbox, but Exim's ACLs and
-    # its rate and quota limits answer 550 too ("550 Administrative prohibition"): the words decide.
-    if phase == "rcpt" and code in (550, 551, 553) and _ADDRESS_IS_BAD.search(_QUOTED.sub(" ", text)):
+    # its rate and quota limits answer 550 too ("550 Administrative prohibition"): the words decide,
+    # and words of a limit or a policy say it is not for good.
+    if (
+        phase == "rcpt"
+        and code in (550, 551, 553, 554)
+        and _ADDRESS_IS_BAD.search(own)
+        and not _NOT_FOR_GOOD.search(own)
+    ):
         return "address"
     return "message"
 
