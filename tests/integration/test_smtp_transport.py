@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from sendonce.domain.message import OutgoingMessage, wire_content
 from sendonce.testing.inbox import Inbox, InboxFaults
-from sendonce.transports.base import Accepted, Permanent, Retry, Withheld
+from sendonce.transports.base import Accepted, Outcome, Permanent, Retry, Withheld
 from sendonce.transports.smtp import SmtpChannel, SmtpSettings
 from tests.conftest import free_port
 from tests.helpers import self_signed_pem
@@ -567,6 +567,16 @@ async def test_a_421_at_any_step_is_transport_wide(pipelining: bool) -> None:
     assert outcome.error.startswith("rcpt: 421")
 
 
+def _assert_refusal(outcome: Outcome, expected: str) -> None:
+    """``expected``: "permanent" (failed, suppressing nobody), "hard_bounce", or a certain Retry:
+    "transport_wide", "sender_wide" or "counted" (this message's try)."""
+    if expected in ("permanent", "hard_bounce"):
+        assert isinstance(outcome, Permanent) and outcome.hard_bounce == (expected == "hard_bounce"), outcome
+        return
+    assert isinstance(outcome, Retry) and not outcome.uncertain, outcome
+    assert (outcome.transport_wide, outcome.sender_wide) == (expected == "transport_wide", expected == "sender_wide")
+
+
 @MODES
 @pytest.mark.parametrize(
     ("reply", "expected"),
@@ -612,11 +622,7 @@ async def test_a_refused_sender_is_not_the_recipients_bounce(pipelining: bool, r
             await channel.close()
         assert [m.job_id for m in inbox.messages] == ["job-2", "job-3"]
     assert outcome.error.startswith(f"mail: {reply[:3]}"), outcome
-    if expected == "permanent":
-        assert isinstance(outcome, Permanent) and not outcome.hard_bounce, outcome
-        return
-    assert isinstance(outcome, Retry) and not outcome.uncertain, outcome
-    assert (outcome.transport_wide, outcome.sender_wide) == (expected == "transport_wide", expected == "sender_wide")
+    _assert_refusal(outcome, expected)
 
 
 @MODES
@@ -670,11 +676,7 @@ async def test_a_refusal_followed_by_a_close_is_read_as_the_refusal(
             await channel.close()
         await asyncio.wait_for(ended.wait(), 5)
     assert outcome.error.startswith(f"{step.decode().lower()}: {reply[:3]}"), outcome
-    if expected == "hard_bounce":
-        assert isinstance(outcome, Permanent) and outcome.hard_bounce, outcome
-        return
-    assert isinstance(outcome, Retry) and not outcome.uncertain, outcome
-    assert (outcome.transport_wide, outcome.sender_wide) == (expected == "transport_wide", expected == "sender_wide")
+    _assert_refusal(outcome, expected)
 
 
 @MODES

@@ -114,6 +114,13 @@ class _Handler:
             responses.insert(-1, "250-PIPELINING")
         return responses
 
+    def _refusal(self, refuse: Callable[[str], str | None] | None, counter: str, address: str) -> str | None:
+        """The reply a fault gives this address, if any, counted under ``counter``."""
+        reply = refuse(address) if refuse is not None else None
+        if reply:
+            self.inbox.faults.counts[counter] += 1
+        return reply
+
     async def handle_MAIL(
         self, server: SMTP, session: Session, envelope: Envelope, address: str, mail_options: list[str]
     ) -> str:
@@ -122,12 +129,9 @@ class _Handler:
         pending = getattr(server._reader, "_buffer", b"")  # a test inbox may peek at its reader
         if bytes(pending[:5]).upper() == b"RCPT ":
             self.inbox.pipelined_envelopes += 1
-        faults = self.inbox.faults
-        if faults.refuse_sender is not None:
-            reply = faults.refuse_sender(address)
-            if reply:
-                faults.counts["sender_refused"] += 1
-                return reply
+        reply = self._refusal(self.inbox.faults.refuse_sender, "sender_refused", address)
+        if reply:
+            return reply
         envelope.mail_from = address
         envelope.mail_options.extend(mail_options)
         return "250 OK"
@@ -135,12 +139,9 @@ class _Handler:
     async def handle_RCPT(
         self, server: SMTP, session: Session, envelope: Envelope, address: str, rcpt_options: list[str]
     ) -> str:
-        faults = self.inbox.faults
-        if faults.reject is not None:
-            reply = faults.reject(address)
-            if reply:
-                faults.counts["rejected"] += 1
-                return reply
+        reply = self._refusal(self.inbox.faults.reject, "rejected", address)
+        if reply:
+            return reply
         envelope.rcpt_tos.append(address)
         return "250 OK"
 
