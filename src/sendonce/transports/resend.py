@@ -67,14 +67,12 @@ def _json_object(response: httpx.Response) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def _error_name(response: httpx.Response) -> str:
-    body = _json_object(response)
+def _error_name(body: dict[str, Any] | None) -> str:
     return str(body.get("name") or body.get("code") or "") if body is not None else ""
 
 
-def _email_id(response: httpx.Response) -> str | None:
+def _email_id(body: dict[str, Any] | None) -> str | None:
     """The provider's id of the email it accepted: a non-empty string in a JSON object, or None."""
-    body = _json_object(response)
     email_id = body.get("id") if body is not None else None
     return email_id if isinstance(email_id, str) and email_id else None
 
@@ -167,10 +165,11 @@ class ResendChannel(Channel):
             logger.exception("unexpected error sending %s", message.job_id)
             return Retry(f"unexpected {type(exc).__name__}: {exc}"[:500], uncertain=True)
         status = response.status_code
-        name = _error_name(response)
+        body = _json_object(response)  # parsed once: the id of a send, or the name of an error
+        name = _error_name(body)
         detail = f"{status} {name or response.reason_phrase}: {response.text[:300]}"
         if 200 <= status < 300:
-            email_id = _email_id(response)
+            email_id = _email_id(body)
             if email_id is None:
                 # Not the provider's answer: a captive proxy's page, a base URL that names something
                 # else. Recorded as sent, the message would never be delivered. The provider may
