@@ -282,6 +282,28 @@ async def test_a_hard_bounce_suppresses_once_however_often_it_is_replayed(
     assert _one(database_url, "SELECT feedback FROM sendonce.deliveries WHERE job_id = %s", job) == ("hard_bounce",)
 
 
+@pytest.mark.parametrize(
+    "reported",
+    ["Ann <ann@example.test>", "ann@forward.test"],
+    ids=["a-form-that-does-not-parse", "a-forwarding-target"],
+)
+async def test_a_bounce_linked_to_its_delivery_suppresses_the_address_we_sent_to(
+    database_url: str, client: httpx.Client, reported: str
+) -> None:
+    # The provider's address may not be the one we sent to (a DSN's Final-Recipient behind a
+    # forwarding alias), or may not parse: the bounce suppressed that other address, or nobody, and
+    # the subscriber stayed confirmed. The job id says which message bounced, and so to whom.
+    await _sent_campaign(database_url, ["ann@example.test", "bob@example.test"])
+    job = _one(database_url, "SELECT job_id FROM sendonce.deliveries WHERE email = 'ann@example.test'")[0]
+    response = _generic(client, [{"id": "evt-1", "type": "hard_bounce", "job_id": job, "email": reported}])
+    assert response.json() == {"received": 1, "new": 1, "unattributed": 0}, response.text
+    assert _one(database_url, "SELECT array_agg(email_key) FROM sendonce.suppressions") == (["ann@example.test"],)
+    assert _one(database_url, "SELECT status FROM sendonce.subscribers WHERE email = 'ann@example.test'") == (
+        "bounced",
+    )
+    assert _one(database_url, "SELECT email FROM sendonce.feedback_events") == (reported,)  # as reported
+
+
 async def test_complaints_suppress_at_once_and_soft_bounces_after_a_few(
     database_url: str, client: httpx.Client
 ) -> None:

@@ -86,8 +86,15 @@ async def ingest(conn: Conn, event: FeedbackEvent, policy: FeedbackPolicy) -> In
     if owner is None:
         return Ingested(False, None, None, False)
     email = event.email or (delivery["email"] if delivery is not None else None)
+    """As the provider reported it (recorded with the event)."""
     email_key: str | None = None
-    if email:
+    suppress_email = email
+    if delivery is not None:
+        # What bounced is the message we sent, to its recipient, whatever address the provider
+        # names: a DSN's Final-Recipient may be a forwarding alias's target (which was suppressed
+        # while our subscriber stayed confirmed), or a form that does not parse (nobody suppressed).
+        email_key, suppress_email = delivery["email_key"], delivery["email"]
+    elif email:
         try:
             email_key = parse_address(email).key
         except InvalidAddress:
@@ -122,10 +129,10 @@ async def ingest(conn: Conn, event: FeedbackEvent, policy: FeedbackPolicy) -> In
                 )
                 if count and count["n"] >= policy.soft_bounce_limit:
                     reason = SuppressionReason.BOUNCE
-            if reason is not None and email_key and email:
+            if reason is not None and email_key:
                 await conn.execute(
                     query("add_suppression"),
-                    {"account_id": owner, "email_key": email_key, "email": email, "reason": reason.value},
+                    {"account_id": owner, "email_key": email_key, "email": suppress_email, "reason": reason.value},
                 )
                 await conn.execute(
                     query("set_subscriber_status_for_feedback"),
