@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import json
 import re
+import secrets
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -393,6 +394,30 @@ async def test_resend_svix_webhook(database_url: str, client: httpx.Client) -> N
     assert _one(database_url, "SELECT reason FROM sendonce.suppressions") == ("complaint",)
     tampered = body.replace(b"ann@", b"bob@")
     assert client.post("/v1/webhooks/resend", content=tampered, headers=headers).status_code == 401
+
+
+async def test_an_event_id_too_long_for_its_index_is_stored_as_its_digest(
+    database_url: str, client: httpx.Client
+) -> None:
+    # An event id past what an index entry holds (about 2.7 kB: here a Svix id, and per recipient a
+    # multi-recipient event's id with its address) made the insert fail, answered 503: the provider
+    # retried it for days, and the complaint was never applied.
+    await _sent_campaign(database_url, ["ann@example.test"])
+    job = _one(database_url, "SELECT job_id FROM sendonce.deliveries")[0]
+    payload = {
+        "type": "email.complained",
+        "created_at": "2026-11-30T10:00:00.000Z",
+        "data": {"email_id": "re-1", "to": ["ann@example.test"], "headers": {"Sendonce-Job-Id": job}},
+    }
+    body = json.dumps(payload).encode()
+    key = base64.b64decode(SVIX_SECRET.removeprefix("whsec_"))
+    headers = svix_headers(body, msg_id="msg_" + secrets.token_urlsafe(6000), ts=str(int(time.time())), key=key)
+    answers = [client.post("/v1/webhooks/resend", content=body, headers=headers) for _ in range(2)]
+    assert [a.status_code for a in answers] == [200, 200], answers[0].text
+    assert [a.json()["new"] for a in answers] == [1, 0]  # a replay has the same digest
+    assert _one(database_url, "SELECT reason FROM sendonce.suppressions") == ("complaint",)
+    (stored,) = _one(database_url, "SELECT event_id FROM sendonce.feedback_events")
+    assert stored.startswith("sha256:") and len(stored) == 7 + 64
 
 
 @pytest.fixture

@@ -578,6 +578,20 @@ async def test_a_providers_retry_after_cannot_park_a_row_past_the_backoff_cap(
     assert (status, counts.failed) == ("sent", 1)
 
 
+async def test_a_provider_id_too_long_for_its_index_is_recorded_cut_short(database_url: str) -> None:
+    # The provider's id is indexed (webhooks find their delivery by it). One past what an index
+    # entry holds made the record fail; the worker took that for an outage and kept the group, and
+    # then recorded nothing more: its rows stayed 'sending' as long as it ran, renewed.
+    setup = await campaign_setup(database_url, emails(6))
+    with ResendServer(faults=ResendFaults(id_length=6000)) as provider:
+        await run_to_drain(database_url, transport_from_url(provider.url), WorkerConfig(drain=True, **FAST), timeout=30)
+    status, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert (status, counts.sent) == ("sent", 6)
+    async with await connect(database_url) as conn:
+        ids = await (await conn.execute("SELECT transport_message_id FROM sendonce.deliveries")).fetchall()
+    assert {len(row["transport_message_id"]) for row in ids} == {outbox.MESSAGE_ID_LIMIT}
+
+
 async def test_a_provider_answering_500_to_every_message_holds_them_until_it_recovers(database_url: str) -> None:
     # A 500 is counted against its message, and in an incident every message meets one: each failed
     # after its tries, and what was due during the incident was lost. Server errors for one message

@@ -147,6 +147,11 @@ def install(app: FastAPI) -> None:
             return problem_response(
                 Problem(422, f"a value cannot be stored: {exc.diag.message_primary or exc}"), request.url.path
             )
+        if isinstance(exc, psycopg.errors.ProgramLimitExceeded):
+            # a value too large for PostgreSQL's limits (an index entry holds about 2.7 kB): bad input
+            return problem_response(
+                Problem(422, f"a value is too large to store: {exc.diag.message_primary or exc}"), request.url.path
+            )
         if is_unavailable(exc):
             logger.warning("database unavailable: %s", exc)
             return problem_response(unavailable(), request.url.path)

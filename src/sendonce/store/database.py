@@ -33,6 +33,10 @@ def is_unavailable(exc: BaseException) -> bool:
     """True when the error means the database could not be reached (retry later), not bad input."""
     if isinstance(exc, psycopg_pool.PoolTimeout | DatabaseUnavailable):
         return True
+    if isinstance(exc, psycopg.errors.ProgramLimitExceeded):
+        # an OperationalError, but about the statement (a value too large for its index entry, a
+        # statement too complex): the same statement fails again, however long one waits
+        return False
     if isinstance(exc, psycopg.OperationalError):
         return True
     if isinstance(exc, psycopg.errors.AdminShutdown | psycopg.errors.CannotConnectNow):

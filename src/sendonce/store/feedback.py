@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from dataclasses import dataclass
@@ -31,6 +32,17 @@ SUPPRESSING = {"hard_bounce": SuppressionReason.BOUNCE, "complaint": Suppression
 _CAMPAIGN_JOB_ID = re.compile(r"campaign:([0-9]+):[^:]*")
 """``campaign:<campaign_id>:<subscriber_id>``, in ASCII digits: ``str.isdigit`` takes "²", which ``int`` refuses."""
 _ACCOUNT_FOREIGN_KEY = "feedback_events_account_id_fkey"
+_EVENT_ID_LIMIT = 200
+"""Characters of a provider's event id stored as they are: the id is in the events' primary key,
+whose entries hold at most about 2.7 kB (an id built from a long message id and address passed it,
+and the provider's every retry met the same error)."""
+
+
+def _event_key(event_id: str) -> str:
+    """The event's id as stored: a longer one as its digest, the same for every replay."""
+    if len(event_id) <= _EVENT_ID_LIMIT:
+        return event_id
+    return "sha256:" + hashlib.sha256(event_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +120,7 @@ async def ingest(conn: Conn, event: FeedbackEvent, policy: FeedbackPolicy) -> In
                 {
                     "account_id": owner,
                     "provider": event.provider,
-                    "event_id": event.event_id,
+                    "event_id": _event_key(event.event_id),
                     "kind": event.kind,
                     "email": email,
                     "email_key": email_key,

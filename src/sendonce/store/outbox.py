@@ -125,16 +125,21 @@ def storable(text: str) -> str:
 
 _TEXT_COLUMNS = frozenset({"error", "message_id"})
 """Columns that hold what a transport answered."""
+MESSAGE_ID_LIMIT = 500
+"""Characters of a provider's message id kept: the id is indexed (webhooks find their delivery by
+it), and an index entry holds at most about 2.7 kB. A longer one made the record fail; the worker
+took that for an outage and kept the group, so it recorded nothing more while it held its rows."""
 
 
 def _columns(rows: Sequence[Any], *names: str) -> dict[str, list[Any]]:
-    return {
-        f"{name}s": [
-            storable(value) if name in _TEXT_COLUMNS and value is not None else value
-            for value in (getattr(row, name) for row in rows)
-        ]
-        for name in names
-    }
+    columns: dict[str, list[Any]] = {}
+    for name in names:
+        values = [getattr(row, name) for row in rows]
+        if name in _TEXT_COLUMNS:
+            limit = MESSAGE_ID_LIMIT if name == "message_id" else None
+            values = [None if value is None else storable(value)[:limit] for value in values]
+        columns[f"{name}s"] = values
+    return columns
 
 
 T = TypeVar("T", bound="Fenced | SentRecord | RetryRecord | FailedRecord")

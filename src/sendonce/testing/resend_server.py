@@ -62,6 +62,8 @@ class ResendFaults:
     """Every request waits this long before it is handled (a slow provider)."""
     replay_conflict: float = 0.0
     """A repeat of a key that was already answered gets a 409 instead of the stored answer."""
+    id_length: int = 32
+    """Characters of the email ids it answers (a provider's, or a proxy's, may be far longer)."""
     seed: int | None = None
     counts: Counter[str] = field(default_factory=Counter)
 
@@ -156,7 +158,8 @@ class ResendServer:
                 return JSONResponse(answer, status_code=200)
             if key is not None:
                 self._keys[key] = (digest, None)
-            email_id = hashlib.sha256(f"{key}:{time.time_ns()}:{len(self.accepted)}".encode()).hexdigest()[:32]
+            seed = f"{key}:{time.time_ns()}:{len(self.accepted)}".encode()
+            email_id = hashlib.shake_256(seed).hexdigest((faults.id_length + 1) // 2)[: faults.id_length]
             self.accepted.append(AcceptedEmail(email_id, key, body, time.time()))
         answer = {"id": email_id}
         stall = faults.roll(faults.accept_then_stall)
