@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sendonce.chaos.processes import death_note
+from sendonce.delivery import render
 from sendonce.delivery.compose import CAMPAIGN_VARIABLES, compile_campaign
 from sendonce.delivery.render import TemplateError, compile_template
 from sendonce.faults import DEATH_NOTE, Faults
@@ -149,6 +150,117 @@ def test_sandbox_refuses_escapes(attack: str) -> None:
     # refused by the sandbox itself: not by some other error on the way (a variable missing, say).
     with pytest.raises(TemplateError, match="the sandbox forbids"):
         compile_template(attack).render({"name": "x", "cycler": None})
+
+
+_HUGE = 30_000_000
+"""A size past the render's limits that, built without them, costs this test only ~30-100 MB."""
+
+
+@pytest.mark.parametrize(
+    ("template", "stopped_by"),
+    [
+        (f'{{{{ "a"|center({_HUGE}) }}}}', "asks for a width over"),
+        (f'{{{{ "a".ljust({_HUGE}) }}}}', "asks for a width over"),
+        (f'{{{{ "1".zfill({_HUGE}) }}}}', "asks for a width over"),
+        (f'{{{{ (1).to_bytes({_HUGE}, "big")|length }}}}', "asks for a width over"),
+        (f'{{{{ "%0{_HUGE}d" % 1 }}}}', "asks for a width over"),
+        (f'{{{{ "%0{_HUGE}d"|format(1) }}}}', "asks for a width over"),
+        (f'{{{{ "{{:>{_HUGE}}}".format(1) }}}}', "asks for a width over"),
+        (f'{{{{ "{{x:>{_HUGE}}}".format_map({{"x": 1}}) }}}}', "asks for a width over"),
+        (f'{{{{ [1]|batch({_HUGE}, "x")|list|length }}}}', "asks for a width over"),
+        ("{{ ((9 ** 64) ** 64) ** 64 > 1 }}", "an integer over"),
+        ("{{ (2 ** 60) * (2 ** 60) * (2 ** 60) * (2 ** 60) * (2 ** 60) > 1 }}", None),  # 300 bits: fine
+        (
+            '{% set ns = namespace(a="x" * 100000) %}{% for i in range(8) %}{% set ns.a = ns.a ~ ns.a %}'
+            "{% endfor %}{{ ns.a|length }}",
+            "builds a value longer than",
+        ),
+        (
+            '{% set ns = namespace(a="x" * 100000) %}{% for i in range(8) %}{% set ns.a = ns.a + ns.a %}'
+            "{% endfor %}{{ ns.a|length }}",
+            "builds a value longer than",
+        ),
+        ('{{ range(1000)|join("x" * 99999) }}', "builds a value longer than"),
+        ('{{ ("x" * 1000).join(range(1000)|map("string")) }}', None),  # 1 MB: within the limit
+        ('{{ ("x" * 100000).join(range(1000)|map("string"))|length }}', "builds a value longer than"),
+        ('{{ ("x" * 100000)|replace("x", "yyy" * 100)|length }}', "builds a value longer than"),
+        ('{{ ("x" * 100000).replace("x", "yyy" * 100)|length }}', "builds a value longer than"),
+        ('{{ ("x" * 100000)|wordwrap(1, wrapstring="y" * 1000)|length }}', "builds a value longer than"),
+        ('{{ ("x\n" * 50000)|indent(1000)|length }}', "builds a value longer than"),
+        ('{{ (["x" * 100000] * 1000)|string|length }}', "builds a value longer than"),
+        ('{{ ["x" * 100000] * 1000 }}', "builds a value longer than"),
+        (
+            '{{ ("&" * 100000)|forceescape|forceescape|forceescape|forceescape|forceescape|length }}',
+            "builds a value longer than",
+        ),
+        (
+            '{% set a = "x" * 100000 %}{% set b %}{% for i in range(500) %}{{ a }}{% endfor %}{% endset %}'
+            "{{ b|length }}",
+            "builds too much",
+        ),
+        ("{{ lipsum(100000)|length }}", "more than 100 paragraphs"),
+        ("{{ x.translate({120: 'y' * 100000}) }}", "translate"),
+    ],
+)
+def test_a_template_cannot_build_a_value_past_the_limits(template: str, stopped_by: str | None) -> None:
+    # One account's template ran in the API (at creation, preview and approval) and in every
+    # worker: "a"|center(10**10) took gigabytes, 9**64**64**64 hours of one core with the event
+    # loop stopped. Each is refused by the limit it meets, before the value is built; the message
+    # names it (without the limit, a value built whole then meets only the output cap).
+    compiled = compile_template(template, allowed=["x"]) if stopped_by is None else None
+    if stopped_by is None:
+        assert compiled is not None and compiled.render({"x": "x"})
+        return
+    with pytest.raises(TemplateError, match=stopped_by):
+        compile_template(template, allowed=["x"]).render({"x": "x"})
+
+
+def test_a_subscribers_values_cannot_set_a_size_past_the_limits() -> None:
+    # The sizes may come from the data, not the template: checked at every render.
+    template = compile_template("{{ email|center(attributes.width) }}{{ 'x' * attributes.times }}")
+    assert template.render({"email": "a", "attributes": {"width": 3, "times": 2}}) == " a xx"
+    for attributes, stopped_by in (
+        ({"width": _HUGE, "times": 1}, "asks for a width over"),
+        ({"width": 1, "times": _HUGE}, "builds a value longer than"),
+    ):
+        with pytest.raises(TemplateError, match=stopped_by):
+            template.render({"email": "a", "attributes": attributes})
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% macro _sendonce_iter(x) %}abc{% endmacro %}{% for i in range(10) %}{{ i }}{% endfor %}",
+        "{% macro _sendonce_concat(a, b) %}{{ a }}{{ b }}{% endmacro %}{{ 'x' ~ 'y' }}",
+        "{% set _sendonce_iter = [1] %}{% for i in range(10) %}{{ i }}{% endfor %}",
+    ],
+)
+def test_a_template_cannot_replace_the_guards_it_is_run_with(template: str) -> None:
+    # The loops' budget and the joins' check are called by name: a macro of that name ran instead.
+    with pytest.raises(TemplateError, match="are reserved"):
+        compile_template(template)
+
+
+def test_a_render_past_its_deadline_is_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sizes bound memory and most work; a deadline bounds the rest (a loop searching a large
+    # value at every turn costs no size). Here every render is past it at once.
+    template = compile_template("{% for i in range(3) %}{{ email }}{% endfor %}")
+    assert template.render({"email": "a"}) == "aaa"
+    monkeypatch.setattr(render, "MAX_SECONDS", -1.0)
+    with pytest.raises(TemplateError, match="takes too long"):
+        template.render({"email": "a"})
+
+
+def test_limited_templates_render_as_jinja_does() -> None:
+    # the checks change no result: formats, joins, ~ and + in text and HTML, escaping kept
+    text = compile_template(
+        '{{ "{:,}".format(n) }}|{{ "%05.1f"|format(3.14159) }}|{{ "%s-%s" % (1, 2) }}|{{ [1, 2]|join(", ") }}'
+        '|{{ n ~ "x" }}|{{ "a" + "b" }}|{{ 12345678901234567890 * 3 }}|{{ 2 ** 10 }}|{{ {"a": [1]}|tojson }}',
+        allowed=["n"],
+    )
+    assert text.render({"n": 1234567}) == ('1,234,567|003.1|1-2|1, 2|1234567x|ab|37037036703703703670|1024|{"a": [1]}')
+    html = compile_template('{{ "<b>" ~ n }}{{ n ~ ("<i>"|safe) }}', html=True, allowed=["n"])
+    assert html.render({"n": "<a>"}) == "&lt;b&gt;&lt;a&gt;&lt;a&gt;<i>"
 
 
 def test_templates_have_no_loader_so_cannot_include_files() -> None:

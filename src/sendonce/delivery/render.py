@@ -7,15 +7,23 @@ variables are errors (StrictUndefined), never blanks in a sent mail.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import functools
+import re
+import string
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import jinja2
-from jinja2 import meta, nodes
+from jinja2 import meta, nodes, pass_eval_context
 from jinja2.exceptions import SecurityError
+from jinja2.nodes import EvalContext
+from jinja2.runtime import markup_join, str_join
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace, generate_lorem_ipsum
+from jinja2.visitor import NodeTransformer
 from markupsafe import escape
 
 from sendonce.errors import InvalidInput
@@ -28,48 +36,336 @@ class TemplateError(InvalidInput):
 MAX_ITERATIONS = 100_000
 """Loop iterations one render may make, all loops together."""
 MAX_OUTPUT = 2_000_000
-"""Characters one render may produce."""
+"""Characters one render may produce, and the longest value (string, list) it may build."""
 MAX_REPEAT = 100_000
 """Longest string or list a template may build with ``*``."""
+MAX_WORK = 20 * MAX_OUTPUT
+"""Characters one render may build in all, outputs and intermediate values together: a template
+that builds a large value over and over (in a loop, in ``{% set %}`` blocks) is stopped."""
+MAX_BITS = 10_000
+"""Largest integer a template may compute, in bits (about 3,000 digits)."""
+MAX_SECONDS = 1.0
+"""Time one render may take. The limits above bound memory and most of the work; this bounds what
+they cannot count (a loop searching a large value at every turn). A template a mail needs renders
+in well under a millisecond."""
 
-_BUDGET: ContextVar[list[int]] = ContextVar("sendonce_template_budget")
+_BUDGET: ContextVar[list[float]] = ContextVar("sendonce_template_budget")
+"""Per render: [iterations left, characters left, deadline (time.monotonic())]."""
+
+
+def _refuse(why: str) -> NoReturn:
+    raise SecurityError(why)
+
+
+def _spend(iterations: int = 0, characters: int = 0) -> None:
+    budget = _BUDGET.get(None)
+    if budget is None:  # outside a render: Jinja folding constants while it compiles
+        return
+    budget[0] -= iterations
+    budget[1] -= characters
+    if budget[0] < 0:
+        _refuse(f"the template loops too much (over {MAX_ITERATIONS} iterations)")
+    if budget[1] < 0:
+        _refuse(f"the template builds too much (over {MAX_WORK} characters in all)")
+    if time.monotonic() > budget[2]:
+        _refuse(f"the template takes too long to render (over {MAX_SECONDS:g} s)")
 
 
 def _budgeted(iterable: Any) -> Iterator[Any]:
     """Every template loop iterates through here: a template that loops too much is stopped."""
-    budget = _BUDGET.get(None)
     for item in iterable:
-        if budget is not None:
-            budget[0] -= 1
-            if budget[0] < 0:
-                raise SecurityError(f"the template loops too much (over {MAX_ITERATIONS} iterations)")
+        _spend(iterations=1)
         yield item
+
+
+def _text_size(value: Any, limit: int = MAX_OUTPUT) -> int:
+    """About how many characters ``str(value)`` has, counted no further than past ``limit``: a list
+    that holds one large string 100,000 times is small, and its text is not."""
+    if isinstance(value, str | bytes):
+        return len(value)
+    total = 0
+    stack = [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str | bytes):
+            total += len(item) + 4
+        elif isinstance(item, int) and not isinstance(item, bool):
+            total += item.bit_length() // 3 + 2
+        elif isinstance(item, Mapping):
+            total += 2 + 4 * len(item)
+            if total <= limit:
+                stack.extend(item.keys())
+                stack.extend(item.values())
+        elif isinstance(item, list | tuple | set | frozenset):
+            total += 2 + 2 * len(item)
+            if total <= limit:
+                stack.extend(item)
+        elif isinstance(item, Namespace):
+            stack.append(item._Namespace__attrs)  # what its repr shows
+        else:
+            total += 32
+    return total
+
+
+def _built(value: Any) -> Any:
+    """A value the template built: refused if it is too long, counted against the render's work."""
+    if isinstance(value, str | bytes | list | tuple):
+        size = len(value)
+        if size > MAX_OUTPUT:
+            _refuse(f"the template builds a value longer than {MAX_OUTPUT}")
+        _spend(characters=size)
+    return value
+
+
+def _will_build(size: int) -> None:
+    """Before an operation that would build ``size`` characters (or items)."""
+    if size > MAX_OUTPUT:
+        _refuse(f"the template builds a value longer than {MAX_OUTPUT}")
+
+
+def _as_text(value: Any) -> Any:
+    """A value about to be written as text (``~``, ``%s``, ``{}``): checked by its text's size."""
+    if not isinstance(value, str):
+        _will_build(_text_size(value))
+    return value
+
+
+def _output(value: Any) -> Any:
+    """Each ``{{ … }}``'s value, before it is written: checked by its text's size and counted (a
+    ``{% set %}`` block gathers what it writes without the render's output seeing it)."""
+    size = _text_size(value)
+    _will_build(size)
+    _spend(characters=size)
+    return value
+
+
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[#0 +-]*(\*|[0-9]+)?(?:\.(\*|[0-9]+))?")
+_FORMATTER = string.Formatter()
+
+
+def _check_width(width: Any) -> None:
+    if isinstance(width, int) and width > MAX_OUTPUT:
+        _refuse(f"the template asks for a width over {MAX_OUTPUT}")
+
+
+def _check_percent(template: str, args: Any) -> None:
+    """``template % args``: no width or precision past the limit (nor one from the arguments)."""
+    for width, precision in _PERCENT_SPEC.findall(template):
+        for number in (width, precision):
+            if number == "*":
+                _refuse("the template formats with a width taken from its arguments")
+            if number and (len(number) > 7 or int(number) > MAX_OUTPUT):
+                _refuse(f"the template asks for a width over {MAX_OUTPUT}")
+    for arg in args.values() if isinstance(args, Mapping) else args if isinstance(args, tuple) else (args,):
+        _as_text(arg)
+
+
+def _check_format(template: str, args: Iterable[Any]) -> None:
+    """``template.format(*args)``: no width past the limit, nor one taken from the arguments."""
+    try:
+        fields = list(_FORMATTER.parse(template))
+    except ValueError:
+        return  # str.format refuses it itself
+    for _, _, spec, _ in fields:
+        if spec and "{" in spec:
+            _refuse("the template formats with a width taken from its arguments")
+        for number in re.findall(r"[0-9]+", spec or ""):
+            if len(number) > 7 or int(number) > MAX_OUTPUT:
+                _refuse(f"the template asks for a width over {MAX_OUTPUT}")
+    for arg in args:
+        _as_text(arg)
+
+
+def _replaced_size(text: str, old: Any, new: Any, count: Any) -> int:
+    if not isinstance(old, str) or not isinstance(new, str):
+        return len(text)
+    found = text.count(old) if old else len(text) + 1
+    if isinstance(count, int) and count >= 0:
+        found = min(found, count)
+    return len(text) + found * max(len(new) - len(old), 0)
+
+
+def _joined_size(items: list[Any], separator: Any) -> int:
+    size = len(separator) * max(len(items) - 1, 0) if isinstance(separator, str) else 0
+    for item in items:
+        size += _text_size(item, MAX_OUTPUT - size)
+        if size > MAX_OUTPUT:
+            break
+    return size
+
+
+def _check_method(method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """A call of a method of a built-in value whose result's size its arguments choose: refused past
+    the limits. Returns the arguments to call it with (an iterable to join, read once)."""
+    owner = getattr(method, "__self__", None)
+    name = getattr(method, "__name__", "")
+    if isinstance(owner, str | bytes):
+        if name in ("center", "ljust", "rjust", "zfill"):
+            _check_width(args[0] if args else kwargs.get("width"))
+        elif name == "expandtabs":
+            tabsize = args[0] if args else kwargs.get("tabsize", 8)
+            if isinstance(tabsize, int):
+                tab = "\t" if isinstance(owner, str) else b"\t"
+                _will_build(len(owner) + owner.count(tab) * tabsize)  # type: ignore[arg-type]
+        elif name == "replace" and isinstance(owner, str) and len(args) >= 2:
+            _will_build(_replaced_size(owner, args[0], args[1], args[2] if len(args) > 2 else kwargs.get("count")))
+        elif name == "replace" and isinstance(owner, bytes) and len(args) >= 2:
+            _will_build(len(owner) * max(len(args[1]), 1) if isinstance(args[1], bytes) else len(owner))
+        elif name == "join" and args:
+            items = list(args[0])
+            _will_build(_joined_size(items, owner if isinstance(owner, str) else ""))
+            return (items, *args[1:])
+        elif name in ("translate", "maketrans"):
+            _refuse(f"the template calls {name}, which the sandbox does not allow")
+    elif isinstance(owner, int) and name == "to_bytes":
+        _check_width(args[0] if args else kwargs.get("length", 1))
+    return args
+
+
+def _guarded(name: str, filter_: Callable[..., Any]) -> Callable[..., Any]:
+    """A built-in filter whose result is checked, and, where an argument sets its size, refused first."""
+    passes_first = getattr(filter_, "jinja_pass_arg", None) is not None  # the context, environment...
+
+    @functools.wraps(filter_)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        value, rest = (args[1], args[2:]) if passes_first else (args[0], args[1:])
+        if name == "center":
+            _check_width(rest[0] if rest else kwargs.get("width"))
+        elif name == "indent":
+            width = rest[0] if rest else kwargs.get("width", 4)
+            step = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+            _will_build(len(str(value)) + (str(value).count("\n") + 1) * step)
+        elif name == "join":
+            items = list(value)
+            _will_build(_joined_size(items, rest[0] if rest else kwargs.get("d", "")))
+            args = (args[0], items, *rest)
+        elif name == "replace" and len(rest) >= 2:
+            _will_build(_replaced_size(str(value), rest[0], rest[1], rest[2] if len(rest) > 2 else kwargs.get("count")))
+        elif name == "format":
+            _check_percent(str(value), kwargs or tuple(rest))
+        elif name in ("batch", "slice"):
+            _check_width(rest[0] if rest else kwargs.get("linecount", kwargs.get("slices")))
+        elif name == "wordwrap":
+            wrap = rest[2] if len(rest) > 2 else kwargs.get("wrapstring")
+            width = rest[0] if rest else kwargs.get("width", 79)
+            if isinstance(wrap, str) and isinstance(width, int):
+                text = str(value)
+                _will_build(len(text) + (len(text) // max(width, 1) + text.count("\n") + 1) * len(wrap))
+        elif name == "sum":
+            items = list(value)
+            _will_build(sum(len(i) for i in items if isinstance(i, str | list | tuple)))
+            args = (args[0], items, *rest)
+        elif name == "tojson":
+            indent = rest[0] if rest else kwargs.get("indent")
+            if isinstance(indent, int) and indent > 16:
+                _refuse("the template indents JSON by more than 16")
+            _as_text(value)
+        elif name in ("string", "pprint", "urlencode", "xmlattr", "list", "unique", "dictsort", "sort"):
+            _as_text(value)
+        return _built(filter_(*args, **kwargs))
+
+    return guarded
+
+
+def _lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
+    if n > 100 or max > 1000:
+        _refuse("the template asks for more than 100 paragraphs of 1,000 words")
+    return _built(generate_lorem_ipsum(n=n, html=html, min=min, max=max))  # type: ignore[no-any-return]
+
+
+@pass_eval_context
+def _concat(eval_ctx: EvalContext, *parts: Any) -> str:
+    """``a ~ b``: Jinja's own joining, once the parts' text is known to fit."""
+    size = 0
+    for part in parts:
+        size += _text_size(part, MAX_OUTPUT - size)
+        _will_build(size)
+    joined = markup_join(parts) if eval_ctx.autoescape else str_join(parts)
+    return _built(joined)  # type: ignore[no-any-return]
+
+
+class _Concats(NodeTransformer):
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
+        self.generic_visit(node)
+        call = nodes.Call(nodes.Name("_sendonce_concat", "load"), list(node.nodes), [], None, None)
+        return call.set_lineno(node.lineno)
+
+
+_RESERVED = "_sendonce"
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
     """The sandbox, with limits on work as well as on access: loops share an iteration budget per
-    render, ``*`` and ``**`` cannot build huge values, and output is capped as it is produced."""
+    render; what a template builds (with ``*``, ``+``, ``~``, ``%``, filters, methods of strings
+    and numbers, ``{% set %}`` blocks) is refused past a size, and counted against the render's
+    work; integers cannot grow past a size; a render has a deadline; output is capped as it is
+    produced. Each of these was a way for one account's template to take a worker's or the API's
+    memory or time (``"a"|center(10**9)``, ``9**64**64**64``, a string doubled in a loop)."""
 
-    intercepted_binops = frozenset({"*", "**"})
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
+        super().__init__(finalize=_output, **options)
         self.globals["_sendonce_iter"] = _budgeted
+        self.globals["_sendonce_concat"] = _concat
+        self.globals["lipsum"] = _lipsum
+        self.filters = {name: _guarded(name, filter_) for name, filter_ in self.filters.items()}
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
         tree = super()._parse(source, name, filename)
+        for node in tree.find_all((nodes.Name, nodes.Macro)):
+            # the guards below are called by these names: a template's own (a macro, a variable)
+            # would be called instead, and its loops and joins run unchecked
+            if str(getattr(node, "name", "")).startswith(_RESERVED):
+                raise jinja2.TemplateSyntaxError(f"names starting with {_RESERVED} are reserved", node.lineno)
         for loop in tree.find_all(nodes.For):
             loop.iter = nodes.Call(nodes.Name("_sendonce_iter", "load"), [loop.iter], [], None, None)
+        _Concats().visit(tree)
         return tree
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "**" and isinstance(right, int | float) and abs(right) > 64:
-            raise SecurityError("the template computes a power too large")
-        if operator == "*":
+        ints = isinstance(left, int) and isinstance(right, int)
+        if operator == "**":
+            if isinstance(right, int | float) and abs(right) > 64:
+                _refuse("the template computes a power too large")
+            if ints and right > 0 and left.bit_length() * right > MAX_BITS:
+                _refuse(f"the template computes an integer over {MAX_BITS} bits")
+        elif operator == "*":
+            if ints and left.bit_length() + right.bit_length() > MAX_BITS:
+                _refuse(f"the template computes an integer over {MAX_BITS} bits")
             for seq, times in ((left, right), (right, left)):
-                if isinstance(seq, str | list | tuple) and isinstance(times, int) and len(seq) * times > MAX_REPEAT:
-                    raise SecurityError(f"the template builds a value longer than {MAX_REPEAT}")
-        return super().call_binop(context, operator, left, right)
+                if isinstance(seq, str | list | tuple) and isinstance(times, int):
+                    if len(seq) * times > MAX_REPEAT:
+                        _refuse(f"the template builds a value longer than {MAX_REPEAT}")
+                    if isinstance(seq, list | tuple) and times > 0:
+                        _will_build(_text_size(seq, MAX_OUTPUT // times) * times)
+        elif operator == "+":
+            if isinstance(left, str | list | tuple) and isinstance(right, str | list | tuple):
+                _will_build(len(left) + len(right))
+        elif operator == "%" and isinstance(left, str):
+            _check_percent(left, right)
+        return _built(super().call_binop(context, operator, left, right))
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        """``str.format`` and ``format_map``: Jinja's sandboxed formatting, its widths checked first."""
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+        template, by_name = value.__self__, value.__name__ == "format_map"
+
+        @functools.wraps(wrapped)
+        def checked(*args: Any, **kwargs: Any) -> str:
+            values = (
+                args[0].values() if by_name and args and isinstance(args[0], Mapping) else (*args, *kwargs.values())
+            )
+            _check_format(template, values)
+            return _built(wrapped(*args, **kwargs))  # type: ignore[no-any-return]
+
+        return checked
+
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        args = _check_method(obj, args, kwargs)
+        return _built(super().call(context, obj, *args, **kwargs))
 
 
 _TEXT = _Sandbox(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True)
@@ -84,9 +380,6 @@ class CompiledTemplate:
     _static: str | None
     _globals: dict[str, Any] = field(default_factory=dict)
     """The template's globals, merged into a plain dict once (Jinja merges its ChainMap per render)."""
-    _loops: bool = True
-    """The template has a loop: a render sets up the iteration budget (a template without one never
-    reads it)."""
     _plan: Plan | None = None
     """The template is only text and plain variables: rendered without Jinja where the values allow."""
 
@@ -109,7 +402,7 @@ class CompiledTemplate:
 
     def _render_jinja(self, context: Mapping[str, Any]) -> str:
         assert self._template is not None
-        token = _BUDGET.set([MAX_ITERATIONS]) if self._loops else None
+        token = _BUDGET.set([MAX_ITERATIONS, MAX_WORK, time.monotonic() + MAX_SECONDS])
         try:
             parts: list[str] = []
             size = 0
@@ -133,8 +426,7 @@ class CompiledTemplate:
         except Exception as exc:  # a template is user code: any error is a template error
             raise TemplateError(f"the template failed: {type(exc).__name__}: {exc}") from None
         finally:
-            if token is not None:
-                _BUDGET.reset(token)
+            _BUDGET.reset(token)
 
 
 _Part = str | tuple[str, ...]
@@ -234,9 +526,8 @@ def compile_template(
         # No per-recipient input: render once, now.
         once = CompiledTemplate(source, variables, template, None, dict(template.globals))
         return CompiledTemplate(source, variables, None, once.render({}))
-    loops = next(parsed.find_all(nodes.For), None) is not None
     plan = Plan.of(parsed, html=html)
-    return CompiledTemplate(source, variables, template, None, dict(template.globals), loops, plan)
+    return CompiledTemplate(source, variables, template, None, dict(template.globals), plan)
 
 
 def html_to_text(html: str) -> str:
