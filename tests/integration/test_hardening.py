@@ -172,6 +172,30 @@ def test_odd_values_in_subscriber_rows_are_row_errors_not_500s(client: httpx.Cli
     assert _one(database_url, "SELECT count(*) FROM sendonce.subscribers") == (0,)
 
 
+@pytest.mark.parametrize("key", [None, "k-1"])
+def test_a_bad_address_quoted_back_beside_a_good_row_is_escaped(
+    client: httpx.Client, database_url: str, key: str | None
+) -> None:
+    # The row error quoted the address as given: the answer could not be encoded, and came back a
+    # 422 saying nothing was written, after the good row had been (without an Idempotency-Key).
+    _, auth = _account(client)
+    rows = [{"email": "good@example.test"}, {"email": "\ud800@example.test"}, {"email": "nul\x00@example.test"}]
+    headers = {**auth, "Content-Type": "application/json"} | ({"Idempotency-Key": key} if key else {})
+    answers = [client.post("/v1/subscribers", content=json.dumps({"subscribers": rows}), headers=headers)]
+    if key:
+        answers.append(client.post("/v1/subscribers", content=json.dumps({"subscribers": rows}), headers=headers))
+    for response in answers:
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert (body["created"], body["errors"]) == (1, 2)
+        assert [r["email"] for r in body["results"]] == [
+            "good@example.test",
+            "\\ud800@example.test",
+            "nul\\x00@example.test",
+        ]
+    assert _one(database_url, "SELECT count(*) FROM sendonce.subscribers") == (1,)
+
+
 def test_attributes_jsonb_cannot_hold_are_row_errors(client: httpx.Client, database_url: str) -> None:
     _, auth = _account(client)
     rows = [

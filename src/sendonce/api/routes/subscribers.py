@@ -104,6 +104,14 @@ def _encodable(value: Any) -> bool:
     return "\x00" not in value
 
 
+def _echo(text: str) -> str:
+    """Input quoted back in an answer: as given, or escaped where it cannot be encoded (a lone
+    surrogate, a NUL). Quoted raw, it made the answer fail after the good rows had been written."""
+    if _encodable(text):
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+
+
 def parse_row(email: Any, name: Any, status: Any, lists: Any, attributes: Any = None) -> SubscriberInput:
     if not isinstance(email, str):
         raise RowError("email is required and must be a string")
@@ -175,7 +183,7 @@ async def _upsert(body: SubscribersIn, account_id: int, conn: Conn, request: Req
         try:
             parsed.append((index, parse_row(row.email, row.name, row.status, row.lists, row.attributes)))
         except RowError as exc:
-            email = row.email if isinstance(row.email, str) else None
+            email = _echo(row.email) if isinstance(row.email, str) else None
             results[index] = SubscriberResult(index=index, email=email, result="error", error=str(exc))
     known = await list_store.existing_lists(conn, account_id, [i for _, r in parsed for i in r.list_ids])
     good: list[tuple[int, SubscriberInput]] = []
