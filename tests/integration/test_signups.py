@@ -514,6 +514,11 @@ async def test_client_idempotency_keys(client: httpx.Client, database_url: str) 
     assert client.post("/v1/lists", json={"name": "a"}, headers={**auth, "Idempotency-Key": "k2"}).json() == lst.json()
     _, other = account(client)
     assert client.post("/v1/lists", json={"name": "a"}, headers={**other, "Idempotency-Key": "k2"}).json() != lst.json()
+    # two keys on one request: which one was meant cannot be told (the first was taken, silently)
+    two = client.post(
+        "/v1/lists", json={"name": "two"}, headers=[*auth.items(), ("Idempotency-Key", "k2"), ("Idempotency-Key", "k9")]
+    )
+    assert two.status_code == 422 and "one Idempotency-Key" in two.json()["detail"]
     # a failed request stores nothing: the same key works once the request is fixed
     bad = client.post("/v1/lists", json={"name": ""}, headers={**auth, "Idempotency-Key": "k3"})
     assert bad.status_code == 422

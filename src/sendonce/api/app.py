@@ -131,14 +131,18 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
                 version = await schema_version(conn)
         except Exception as exc:
             logger.warning("health: database unavailable: %s", exc)
-            return JSONResponse({"status": "unavailable", "database": "unreachable"}, status_code=503)
+            return JSONResponse(
+                {"status": "unavailable", "database": "unreachable"}, status_code=503, headers={"Retry-After": "2"}
+            )
         # Reachable is not enough: on a schema older than the code (started with --no-upgrade before
         # `sendonce db upgrade` ran) every request would fail with a 500.
         reason = behind(version)
         if reason is not None:
             logger.warning("health: %s", reason)
             return JSONResponse(
-                {"status": "unavailable", "database": "schema behind", "detail": reason}, status_code=503
+                {"status": "unavailable", "database": "schema behind", "detail": reason},
+                status_code=503,
+                headers={"Retry-After": "30"},
             )
         return {"status": "ok", "database": "ok"}
 

@@ -70,9 +70,13 @@ async def idempotent(
     unseal: Callable[[str], bytes] | None = None,
 ) -> Response:
     """Run ``handler`` once per (scope, Idempotency-Key); without the header, just run it."""
-    raw_key = request.headers.get(HEADER)
-    if raw_key is None:
+    keys = request.headers.getlist(HEADER)
+    if not keys:
         return await handler()
+    if len(keys) > 1:
+        # which one the client meant cannot be told; taking the first would replay another request
+        raise Problem(422, f"give one {HEADER} header, not {len(keys)}")
+    raw_key = keys[0]
     key = _validate(raw_key.strip())
     request_hash = _request_hash(request, await request.body())
     params: dict[str, Any] = {
