@@ -305,6 +305,27 @@ async def test_a_bounce_linked_to_its_delivery_suppresses_the_address_we_sent_to
     assert _one(database_url, "SELECT email FROM sendonce.feedback_events") == (reported,)  # as reported
 
 
+async def test_an_unsubscribe_the_provider_took_opts_the_subscriber_out(
+    database_url: str, client: httpx.Client
+) -> None:
+    # Through the provider's own link (SendGrid's subscription tracking, Postmark's, SES's list
+    # management) the recipient opted out; the event was recorded as "other" and nothing changed.
+    await _sent_campaign(database_url, ["ann@example.test", "bob@example.test"])
+    job = _one(database_url, "SELECT job_id FROM sendonce.deliveries WHERE email = 'ann@example.test'")[0]
+    response = _generic(client, [{"id": "u-1", "type": "unsubscribe", "email": "ann@example.test", "job_id": job}])
+    assert response.json() == {"received": 1, "new": 1, "unattributed": 0}, response.text
+    assert _one(database_url, "SELECT email_key, reason FROM sendonce.suppressions") == (
+        "ann@example.test",
+        "unsubscribe",
+    )
+    assert _one(database_url, "SELECT status FROM sendonce.subscribers WHERE email = 'ann@example.test'") == (
+        "unsubscribed",
+    )
+    assert _one(database_url, "SELECT status FROM sendonce.subscribers WHERE email = 'bob@example.test'") == (
+        "confirmed",
+    )
+
+
 async def test_complaints_suppress_at_once_and_soft_bounces_after_a_few(
     database_url: str, client: httpx.Client
 ) -> None:

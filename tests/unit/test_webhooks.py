@@ -275,6 +275,25 @@ def test_ses_other_records_and_the_setup_notice_are_other() -> None:
     assert [(e.kind, e.email, e.job_id) for e in events] == [("other", None, None)]
 
 
+@pytest.mark.parametrize(("unsubscribe_all", "kind"), [(True, "unsubscribe"), (False, "other")])
+def test_ses_a_subscription_event_that_leaves_every_topic_is_an_opt_out(unsubscribe_all: bool, kind: str) -> None:
+    # SES list management (its own unsubscribe link): leaving every topic is an opt-out; one topic of
+    # SES's contact list is not one of sendonce's lists, and is recorded only.
+    record = {
+        "eventType": "Subscription",
+        "mail": ses_mail(destination=["ann@example.com"]),
+        "subscription": {
+            "contactList": "news",
+            "timestamp": "2026-03-01T12:00:00.000Z",
+            "source": "UnsubscribeHeader",
+            "newTopicPreferences": {"unsubscribeAll": unsubscribe_all, "topicSubscriptionStatus": []},
+            "oldTopicPreferences": {"unsubscribeAll": False, "topicSubscriptionStatus": []},
+        },
+    }
+    (event,) = events_of(ses(sns_notification(record)))
+    assert (event.kind, event.email, event.job_id) == (kind, "ann@example.com", JOB)
+
+
 def test_ses_replay_yields_the_same_event_ids() -> None:
     body = json.dumps(sns_notification(ses_bounce())).encode()
     assert ses(body) == ses(body)
@@ -639,6 +658,37 @@ def test_postmark_bounce_types(record_type: str, bounce_type: str, kind: str) ->
     assert event.kind == kind
 
 
+@pytest.mark.parametrize(
+    ("suppress", "reason", "kind"),
+    [
+        (True, "ManualSuppression", "unsubscribe"),  # its unsubscribe link, or by hand
+        (True, "HardBounce", "hard_bounce"),
+        (True, "SpamComplaint", "complaint"),
+        (True, None, "unsubscribe"),
+        (False, None, "other"),  # sending resumed: lifting a suppression is the account's act
+    ],
+)
+def test_postmark_a_subscription_change_that_stops_sending_is_an_opt_out(
+    suppress: bool, reason: str | None, kind: str
+) -> None:
+    change = {
+        "RecordType": "SubscriptionChange",
+        "MessageID": "00000000-0000-0000-0000-000000000000",
+        "Recipient": "john@example.com",
+        "ChangedAt": "2026-03-01T11:40:00Z",
+        "SuppressSending": suppress,
+        "SuppressionReason": reason,
+        "Metadata": {"sendonce-job-id": JOB},
+    }
+    (event,) = events_of(postmark(change))
+    assert (event.kind, event.email, event.job_id) == (kind, "john@example.com", JOB)
+
+
+def test_postmark_an_unsubscribe_request_bounce_is_an_opt_out() -> None:
+    (event,) = events_of(postmark(postmark_bounce("Unsubscribe")))
+    assert event.kind == "unsubscribe"
+
+
 def test_postmark_delivery_and_the_token_header() -> None:
     (event,) = events_of(postmark(postmark_delivery(), {"X-Sendonce-Webhook-Token": POSTMARK_TOKEN}))
     assert (event.kind, event.email, event.job_id) == ("delivered", "john@example.com", "signup_3")
@@ -759,6 +809,23 @@ def test_sendgrid_batch_is_parsed() -> None:
     assert first.occurred_at == datetime.fromtimestamp(1772366300, UTC)
     assert first.detail == {"event": "bounce", "type": "bounce", "reason": "500 unknown recipient", "status": "5.0.0"}
     assert sendgrid(body) == events  # a replay: same event ids
+
+
+@pytest.mark.parametrize(
+    ("event", "extra", "kind"),
+    [
+        ("unsubscribe", {}, "unsubscribe"),
+        ("group_unsubscribe", {"asm_group_id": 10}, "unsubscribe"),
+        ("group_resubscribe", {"asm_group_id": 10}, "other"),
+        ("dropped", {"reason": "Unsubscribed Address"}, "unsubscribe"),
+        ("dropped", {"reason": "Spam Reporting Address"}, "complaint"),
+    ],
+)
+def test_sendgrid_opt_outs_it_took_are_opt_outs(event: str, extra: dict[str, Any], kind: str) -> None:
+    # SendGrid's own unsubscribe link (subscription tracking, unsubscribe groups), and the mail it drops
+    # for its lists: these were "other", and the subscriber stayed confirmed.
+    (parsed,) = events_of(sendgrid(json.dumps([sendgrid_event(event, "u1", **extra)]).encode()))
+    assert (parsed.kind, parsed.email, parsed.job_id) == (kind, "example@test.com", JOB)
 
 
 def test_sendgrid_accepts_the_published_vector_and_a_pem_key() -> None:

@@ -2,6 +2,7 @@
 
 * a hard bounce suppresses the address (reason ``bounce``) and marks the subscriber bounced;
 * a complaint suppresses at once (reason ``complaint``) and unsubscribes the subscriber;
+* so does an unsubscribe the provider took (its own link, its list management; reason ``unsubscribe``);
 * soft bounces are counted; ``soft_bounce_limit`` of them within ``soft_bounce_period`` suppress;
 * a sending campaign whose bounce or complaint rate passes its limit is paused (CAS) and an alert
   raised, once it has attempted at least ``min_sample`` messages;
@@ -28,7 +29,11 @@ from sendonce.store.outbox import storable
 from sendonce.store.queries import query
 from sendonce.webhooks import FeedbackEvent
 
-SUPPRESSING = {"hard_bounce": SuppressionReason.BOUNCE, "complaint": SuppressionReason.COMPLAINT}
+SUPPRESSING = {
+    "hard_bounce": SuppressionReason.BOUNCE,
+    "complaint": SuppressionReason.COMPLAINT,
+    "unsubscribe": SuppressionReason.UNSUBSCRIBE,
+}
 _CAMPAIGN_JOB_ID = re.compile(r"campaign:([0-9]+):[^:]*")
 """``campaign:<campaign_id>:<subscriber_id>``, in ASCII digits: ``str.isdigit`` takes "²", which ``int`` refuses."""
 _ACCOUNT_FOREIGN_KEY = "feedback_events_account_id_fkey"
@@ -151,7 +156,7 @@ async def ingest(conn: Conn, event: FeedbackEvent, policy: FeedbackPolicy) -> In
                     {
                         "account_id": owner,
                         "email_key": email_key,
-                        "status": "unsubscribed" if reason is SuppressionReason.COMPLAINT else "bounced",
+                        "status": "bounced" if reason is SuppressionReason.BOUNCE else "unsubscribed",
                     },
                 )
                 suppressed = True

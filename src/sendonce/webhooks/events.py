@@ -16,8 +16,10 @@ HARD_BOUNCE: Final = "hard_bounce"
 SOFT_BOUNCE: Final = "soft_bounce"
 COMPLAINT: Final = "complaint"
 DELIVERED: Final = "delivered"
+UNSUBSCRIBE: Final = "unsubscribe"
+"""The recipient opted out through the provider (its own unsubscribe link or list management)."""
 OTHER: Final = "other"
-KINDS: Final = frozenset({HARD_BOUNCE, SOFT_BOUNCE, COMPLAINT, DELIVERED, OTHER})
+KINDS: Final = frozenset({HARD_BOUNCE, SOFT_BOUNCE, COMPLAINT, DELIVERED, UNSUBSCRIBE, OTHER})
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +32,7 @@ class FeedbackEvent:
     """The provider's id of this event, unique per recipient: a replay carries the same id, so
     ingestion keyed on ``(provider, event_id)`` is idempotent."""
     kind: str
-    """``hard_bounce``, ``soft_bounce``, ``complaint``, ``delivered`` or ``other``."""
+    """``hard_bounce``, ``soft_bounce``, ``complaint``, ``delivered``, ``unsubscribe`` or ``other``."""
     email: str | None
     """The recipient, exactly as the provider wrote it (not validated, not normalized)."""
     job_id: str | None

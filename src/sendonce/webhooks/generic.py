@@ -27,6 +27,7 @@ from sendonce.webhooks.events import (
     DELIVERED,
     HARD_BOUNCE,
     SOFT_BOUNCE,
+    UNSUBSCRIBE,
     FeedbackEvent,
     PayloadError,
     SignatureError,
@@ -38,7 +39,7 @@ from sendonce.webhooks.signatures import check_timestamp, require_header, secure
 PROVIDER = "generic"
 SIGNATURE_HEADER = "sendonce-signature"
 TIMESTAMP_HEADER = "sendonce-timestamp"
-TYPES = (HARD_BOUNCE, SOFT_BOUNCE, COMPLAINT, DELIVERED)
+TYPES = (HARD_BOUNCE, SOFT_BOUNCE, COMPLAINT, DELIVERED, UNSUBSCRIBE)
 _EVENT_FIELDS = frozenset({"id", "type", "email", "job_id", "account_id", "occurred_at", "detail"})
 _MAX_ID_LENGTH = 200
 _MAX_DETAIL_BYTES = 4096

@@ -26,6 +26,7 @@ from sendonce.webhooks.events import (
     HARD_BOUNCE,
     OTHER,
     SOFT_BOUNCE,
+    UNSUBSCRIBE,
     FeedbackEvent,
     PayloadError,
     SignatureError,
@@ -39,6 +40,8 @@ TOKEN_HEADER = "x-sendonce-webhook-token"  # noqa: S105 (a header name, not a se
 _JOB_ID_KEYS = ("sendonce-job-id", "sendonce_job_id")
 
 # Postmark's bounce types (Bounce API). The address does not exist or was deactivated for good:
+_SUPPRESSED = {"HardBounce": HARD_BOUNCE, "SpamComplaint": COMPLAINT, "ManualSuppression": UNSUBSCRIBE}
+"""A SubscriptionChange's SuppressionReason, when it stops the sending."""
 HARD_TYPES = frozenset({"HardBounce", "BadEmailAddress", "ManuallyDeactivated"})
 # Delivery failed this time, or the message was refused for its content or the sender's reputation:
 SOFT_TYPES = frozenset(
@@ -72,6 +75,8 @@ def parse(headers: Mapping[str, str], body: bytes, config: WebhookConfig) -> lis
             kind = HARD_BOUNCE
         elif bounce_type in SOFT_TYPES:
             kind = SOFT_BOUNCE
+        elif bounce_type == "Unsubscribe":  # TypeCode 16: the recipient asked, by mail, to be removed
+            kind = UNSUBSCRIBE
         else:
             kind = OTHER
         inactive = record.get("Inactive")
@@ -101,12 +106,17 @@ def parse(headers: Mapping[str, str], body: bytes, config: WebhookConfig) -> lis
         kind, when_key, repeats = OTHER, "ReceivedAt", True
         info = fields.detail(type=record_type)
     elif record_type == "SubscriptionChange":
-        kind, when_key, repeats = OTHER, "ChangedAt", True
+        # Postmark stopped (or resumed) sending to the address: an unsubscribe through its link or by
+        # hand (ManualSuppression), or its own hard bounce or spam complaint. A resume changes nothing
+        # here: lifting a suppression is the account's act (DELETE /v1/suppressions/...).
         suppress = record.get("SuppressSending")
+        why = fields.opt_str(record, "SuppressionReason")
+        kind = _SUPPRESSED.get(why or "", UNSUBSCRIBE) if suppress is True else OTHER
+        when_key, repeats = "ChangedAt", True
         info = fields.detail(
             type=record_type,
             suppress_sending=suppress if isinstance(suppress, bool) else None,
-            suppression_reason=fields.opt_str(record, "SuppressionReason"),
+            suppression_reason=why,
         )
     else:
         raise PayloadError(f"RecordType {record_type[:64]!r} is not a Postmark webhook record type")

@@ -26,6 +26,7 @@ from sendonce.webhooks.events import (
     HARD_BOUNCE,
     OTHER,
     SOFT_BOUNCE,
+    UNSUBSCRIBE,
     FeedbackEvent,
     SignatureError,
     WebhookConfig,
@@ -87,14 +88,27 @@ def _event(item: Mapping[str, Any], path: str) -> FeedbackEvent:
         # "blocked": refused for now (reputation, content, rate); "bounce" (or no type): the address failed.
         kind = SOFT_BOUNCE if bounce_type == "blocked" else HARD_BOUNCE
     elif event == "dropped":
-        # Dropped before sending; "Bounced Address" means SendGrid has the address on its bounce list.
-        kind = HARD_BOUNCE if reason is not None and "bounced address" in reason.lower() else OTHER
+        # Dropped before sending, for a list SendGrid keeps the address on: its bounces, its spam
+        # reports, its unsubscribes (an opt-out it took and we may not have heard of).
+        dropped = (reason or "").lower()
+        if "bounced address" in dropped:
+            kind = HARD_BOUNCE
+        elif "spam reporting address" in dropped:
+            kind = COMPLAINT
+        elif "unsubscribed address" in dropped:
+            kind = UNSUBSCRIBE
+        else:
+            kind = OTHER
     elif event == "spamreport":
         kind = COMPLAINT
+    elif event in ("unsubscribe", "group_unsubscribe"):
+        # through SendGrid's own link (subscription tracking, an unsubscribe group): an opt-out, taken
+        # for the whole account (sendonce's lists are not SendGrid's groups)
+        kind = UNSUBSCRIBE
     elif event == "delivered":
         kind = DELIVERED
     else:
-        # processed, deferred (SendGrid is still retrying), open, click, unsubscribe, group_*: not bounces.
+        # processed, deferred (SendGrid is still retrying), open, click, group_resubscribe: no opt-out.
         kind = OTHER
     status = item.get("status")
     return FeedbackEvent(

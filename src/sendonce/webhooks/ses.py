@@ -39,6 +39,7 @@ from sendonce.webhooks.events import (
     HARD_BOUNCE,
     OTHER,
     SOFT_BOUNCE,
+    UNSUBSCRIBE,
     FeedbackEvent,
     PayloadError,
     SignatureError,
@@ -248,14 +249,27 @@ def ses_events(record: Mapping[str, Any], sns_message_id: str, sent_at: datetime
             recipients.append((fields.as_str(item, f"Message.delivery.recipients[{index}]"), DELIVERED, info))
     else:
         # Send, Reject, Open, Click, DeliveryDelay, Rendering Failure, Subscription, setup notices:
-        # reported as "other" for the record, one per destination when the message is known.
+        # reported as "other" for the record, one per destination when the message is known; but a
+        # Subscription that unsubscribes from every topic is an opt-out (SES's list management).
         occurred_at = None
         info = fields.detail(type=record_type)
+        kind = OTHER
+        if record_type == "Subscription":
+            subscription = fields.opt_object(record, "subscription", "Message") or {}
+            occurred_at = fields.opt_iso_time(subscription, "timestamp", "Message.subscription")
+            preferences = fields.opt_object(subscription, "newTopicPreferences", "Message.subscription") or {}
+            if preferences.get("unsubscribeAll") is True:
+                kind = UNSUBSCRIBE
+                info = fields.detail(
+                    type=record_type,
+                    contact_list=fields.opt_str(subscription, "contactList", "Message.subscription"),
+                    source=fields.opt_str(subscription, "source", "Message.subscription"),
+                )
         destination = fields.opt_list(mail, "destination", "Message.mail")
         recipients = [
-            (fields.as_str(item, f"Message.mail.destination[{index}]"), OTHER, info)
+            (fields.as_str(item, f"Message.mail.destination[{index}]"), kind, info)
             for index, item in enumerate(destination)
-        ] or [(None, OTHER, info)]
+        ] or [(None, kind, info)]
 
     events: list[FeedbackEvent] = []
     seen: set[str] = set()
