@@ -69,6 +69,7 @@ async def campaign_setup(
     approve: bool = True,
     text: str = "Hello {{ email }}",
     html: str | None = None,
+    subject: str = "News for {{ email }}",
 ) -> Setup:
     async with await connect(url) as conn:
         account_id, key = await make_account(conn)
@@ -78,7 +79,7 @@ async def campaign_setup(
             conn,
             account_id=account_id,
             name="November news",
-            subject="News for {{ email }}",
+            subject=subject,
             text_body=text,
             html_body=html,
             from_email="news@sender.test",

@@ -94,6 +94,32 @@ async def test_campaign_messages_carry_compliant_headers_and_a_visible_link(data
     assert html.rstrip().endswith("</body></html>")  # the footer went inside the body
 
 
+@pytest.mark.parametrize(
+    ("subject", "text", "html", "footers"),
+    [
+        ("News", "Leave: {{ unsubscribe_url }}", "<html><body><p>Hi</p></body></html>", ("html",)),
+        ("News", "Hi", "<html><body><a href='{{ unsubscribe_url }}'>leave</a></body></html>", ("text",)),
+        ("News {{ unsubscribe_url }}", "Hi", "<html><body><p>Hi</p></body></html>", ("text", "html")),
+    ],
+    ids=["link-in-text-only", "link-in-html-only", "link-in-subject-only"],
+)
+async def test_each_body_shows_the_unsubscribe_link_whichever_template_names_it(
+    database_url: str, inbox: Inbox, subject: str, text: str, html: str, footers: tuple[str, ...]
+) -> None:
+    # The footer was left out of both bodies when any of the three templates named the link: one
+    # body, or both (a subject), went without it.
+    setup = await campaign_setup(database_url, ["ann@example.test"], subject=subject, text=text, html=html)
+    await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN)
+    sid = _one(database_url, "SELECT subscriber_id FROM sendonce.subscribers")[0]
+    url = f"{PUBLIC_URL}/u/{LINKS.unsubscribe_token(setup.account_id, sid, setup.campaign_id)}"  # type: ignore[arg-type]
+    message = inbox.messages[0].parsed()
+    for part in ("plain", "html"):
+        body = message.get_body((part,)).get_content()
+        assert body.count(url) == 1, (part, body)  # the template's link, or the footer's: never none, never two
+        footer = "to stop receiving these emails" in body.lower()
+        assert footer == (("text" if part == "plain" else "html") in footers), (part, body)
+
+
 @pytest.mark.parametrize("mailbox", ["unsub@lists.acme.test", ""], ids=["configured", "set-empty"])
 async def test_a_configured_unsubscribe_mailbox_is_the_mailto_fallback(
     database_url: str, inbox: Inbox, mailbox: str

@@ -56,7 +56,8 @@ def _campaign(text: str, html: str | None, subject: str, boundary: str) -> Campa
         envelope_from="news@sender.test",
         domain="sender.test",
         boundary=boundary,
-        uses_unsubscribe_url=any("unsubscribe_url" in t.variables for t in (subject_t, text_t, html_t) if t),
+        text_shows_unsubscribe_url="unsubscribe_url" in text_t.variables,
+        html_shows_unsubscribe_url=html_t is not None and "unsubscribe_url" in html_t.variables,
     )
     return replace(content, skeleton=_skeleton(content))
 

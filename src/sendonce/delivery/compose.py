@@ -120,8 +120,10 @@ class CampaignContent:
     envelope_from: str
     domain: str
     boundary: str
-    uses_unsubscribe_url: bool
-    """The template shows the link itself; otherwise a footer with it is added."""
+    text_shows_unsubscribe_url: bool
+    """The text template shows the link itself; otherwise a footer with it is added to that body."""
+    html_shows_unsubscribe_url: bool
+    """The same, for the HTML body: each body shows the link, whichever template names it."""
     skeleton: Skeleton | None = None
     """The campaign compiled into the bytes it sends, with holes for each recipient's values (None:
     its templates or static parts need the general path for every message)."""
@@ -289,9 +291,8 @@ class Composer:
                 envelope_from=envelope_from,
                 domain=envelope_from.rpartition("@")[2],
                 boundary=f"=_so_{secrets.token_hex(12)}",
-                uses_unsubscribe_url=any(
-                    "unsubscribe_url" in t.variables for t in (subject, text, html) if t is not None
-                ),
+                text_shows_unsubscribe_url="unsubscribe_url" in text.variables,
+                html_shows_unsubscribe_url=html is not None and "unsubscribe_url" in html.variables,
             )
             self._campaigns[key] = replace(content, skeleton=_skeleton(content))
 
@@ -356,10 +357,13 @@ def with_footers(
     content: CampaignContent, text: str, html: str | None, url: str, html_url: str | None = None
 ) -> tuple[str, str | None]:
     """The bodies as sent: every campaign message shows how to unsubscribe, in both bodies (unless
-    the template shows the link itself). ``html_url``: the HTML part's link, if not ``url``."""
-    if content.uses_unsubscribe_url:
-        return text, html
-    return text + _footer_text(url), _footer_html(html, html_url or url) if html is not None else None
+    that body's template shows the link itself: one that named it only in the text part, or only
+    in the subject, left the other bodies without it). ``html_url``: the HTML part's link, if not ``url``."""
+    if not content.text_shows_unsubscribe_url:
+        text += _footer_text(url)
+    if html is not None and not content.html_shows_unsubscribe_url:
+        html = _footer_html(html, html_url or url)
+    return text, html
 
 
 def campaign_message(
