@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import threading
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from sendonce.chaos.harness import within_victims_lease
 from sendonce.chaos.processes import death_note
 from sendonce.chaos.sinks import SmtpSink
+from sendonce.delivery import worker as worker_module
 from sendonce.delivery.metrics import WorkerCollector
 from sendonce.delivery.worker import Held, Worker, WorkerConfig, _Lane, _Result
 from sendonce.faults import DEATH_NOTE
@@ -1219,3 +1221,29 @@ async def test_a_death_note_tells_a_row_given_back_from_one_sent_and_unrecorded(
     # a copy of the refused row arriving at once, from whoever claims it next, is not the victim's
     later = dataclasses.replace(arrival, job_id=back_row.job, recipient=refused, at=back_row.claimed + 0.5)
     assert not within_victims_lease(witness, back_row, later)
+
+
+async def test_a_listener_whose_connection_went_silent_connects_again(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A connection whose packets are dropped (a partition, a NAT that forgot it) never errors: the
+    # listener waited on it for ever, and new work waited for the next tick. Silent for a while, it
+    # now asks the connection whether it still answers, and connects again when it does not.
+    monkeypatch.setattr(worker_module, "_LISTENER_CHECK_EVERY", 0.3, raising=False)
+    with TcpProxy(**proxy_target(database_url)) as proxy:  # type: ignore[arg-type]
+        config = WorkerConfig(db_timeout=1.0, **FAST)
+        url = through_proxy(database_url, proxy.port)
+        worker = Worker(url, transport_from_url("smtp://127.0.0.1:9"), config, composer=composer())
+        listener = asyncio.create_task(worker._listener())
+        try:
+            async with asyncio.timeout(30):
+                while proxy.connections < 1 or not worker._wake.is_set():  # listening
+                    await asyncio.sleep(0.05)
+                proxy.pause()  # nothing flows, nothing is closed
+                while proxy.connections < 2:  # a new connection (itself silent while paused)
+                    await asyncio.sleep(0.05)
+        finally:
+            proxy.heal()
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener

@@ -57,6 +57,9 @@ T = TypeVar("T")
 
 _OUTAGE_PROBE_EVERY = 60.0
 """While the transport is down, the lanes try again at least this often (seconds)."""
+_LISTENER_CHECK_EVERY = 30.0
+"""The listener's connection, silent this long, is asked whether it still answers (seconds): one whose
+packets are dropped (a partition, a NAT that forgot it) would wait for notifications for ever."""
 _RETRY_AFTER_CAP = 300.0
 """A provider's Retry-After pauses the lanes for at most this long (seconds): rows held meanwhile
 (a campaign paused, a stop) wait for the pause's end to be given back."""
@@ -1148,18 +1151,22 @@ class Worker:
             await lane.reset()
 
     async def _listener(self) -> None:
+        timeout = self.config.db_timeout
         while True:
             try:
-                conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+                conn = await _bounded(psycopg.AsyncConnection.connect(self.url, autocommit=True), timeout)
                 async with conn:
-                    await conn.execute("LISTEN sendonce_work")
+                    await _bounded(conn.execute("LISTEN sendonce_work"), timeout)
                     self._wake.set()  # anything that happened while we were not listening
-                    async for notify in conn.notifies():
-                        if notify.payload in ("requeued", "released"):
-                            self._reset_cursor()  # rows went back to the queue behind the cursor
-                        self._wake.set()
-                        self._build_wanted.set()
-            except (psycopg.Error, OSError) as exc:
+                    while True:
+                        async for notify in conn.notifies(timeout=_LISTENER_CHECK_EVERY):
+                            if notify.payload in ("requeued", "released"):
+                                self._reset_cursor()  # rows went back to the queue behind the cursor
+                            self._wake.set()
+                            self._build_wanted.set()
+                        # silent for a while: still connected? (no answer: a new connection)
+                        await _bounded(conn.execute("SELECT 1"), timeout)
+            except (psycopg.Error, OSError, TimeoutError) as exc:
                 logger.debug("listener: %s; reconnecting", exc)
                 await asyncio.sleep(1.0)
 
