@@ -253,29 +253,6 @@ async def test_an_old_unsubscribe_is_undone_only_by_a_confirmation_to_the_addres
     assert again.status_code == 200 and "Welcome back" in again.text
 
 
-async def test_an_unsubscribe_while_a_rejoin_waits_for_its_confirmation_cancels_it(
-    database_url: str, client: httpx.Client, inbox: Inbox
-) -> None:
-    # The person asked to rejoin (a confirmation mail went out), then pressed Unsubscribe: the page
-    # said "You are unsubscribed" while the membership stayed pending, and the mail still confirmed it.
-    setup = await campaign_setup(database_url, ["ann@example.test"])
-    token = LINKS.unsubscribe_token(setup.account_id, 1, setup.campaign_id)  # type: ignore[arg-type]
-    client.post(f"/u/{token}")
-    with psycopg.connect(database_url) as conn:
-        conn.execute("UPDATE sendonce.list_members SET unsubscribed_at = now() - interval '2 days'")
-    assert "Check your inbox" in client.post(f"/u/{token}/resubscribe").text
-    assert _one(database_url, "SELECT status FROM sendonce.list_members") == ("pending",)
-    await run_to_drain(database_url, transport_from_url(inbox.url), DRAIN)
-    (mail,) = [m for m in inbox.messages if m.parsed()["Subject"].startswith("Confirm")]
-    link = re.search(r"/v1/lists/confirm\?token=(\S+)", mail.parsed().get_body(("plain",)).get_content())
-    assert link is not None
-    left = client.post(f"/u/{token}")
-    assert left.status_code == 200 and "unsubscribed" in left.text.lower()
-    assert _one(database_url, "SELECT status FROM sendonce.list_members") == ("unsubscribed",)
-    client.post("/v1/lists/confirm", json={"token": link.group(1)})
-    assert _one(database_url, "SELECT status FROM sendonce.list_members") == ("unsubscribed",)
-
-
 async def test_transactional_mail_has_no_list_unsubscribe(
     database_url: str, inbox: Inbox, client: httpx.Client
 ) -> None:

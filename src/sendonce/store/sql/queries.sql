@@ -910,15 +910,13 @@ SELECT alert_id, kind, subject, detail, created_at
 -- unsubscribe_campaign_lists --
 -- One-click unsubscribe: the subscriber leaves the lists the campaign went to, in the transaction that
 -- answers, so a campaign still sending skips them from its next claimed batch on (the claim re-checks
--- memberships). A pending membership (a rejoin asked for, its confirmation mail still valid) is
--- left too: the page says "you are unsubscribed", and the mail must no longer confirm it.
--- Idempotent: nothing is left to change the second time.
+-- memberships). Idempotent: nothing is left to change the second time.
 UPDATE sendonce.list_members m
    SET status = 'unsubscribed', unsubscribed_at = now(), updated_at = now()
   FROM sendonce.campaign_lists cl
  WHERE cl.account_id = %(account_id)s AND cl.campaign_id = %(campaign_id)s
    AND m.account_id = cl.account_id AND m.list_id = cl.list_id AND m.subscriber_id = %(subscriber_id)s
-   AND m.status IN ('confirmed', 'pending')
+   AND m.status = 'confirmed'
 RETURNING m.list_id;
 
 -- resubscribe_campaign_lists --
