@@ -132,33 +132,6 @@ async def test_a_server_error_is_about_the_message_and_uncertain() -> None:
     assert isinstance(outcome, Retry) and outcome.uncertain and not outcome.transport_wide, outcome
 
 
-async def test_server_errors_for_one_message_after_another_are_the_providers() -> None:
-    """A 500 alone is counted against its message; three in a row, for more than one message and
-    with no other answer between, are an incident: transport-wide, not counted (the lanes pause)."""
-    ann, bob, cy = (dataclasses.replace(_message(), job_id=f"signup:1:{n}") for n in (1, 2, 3))
-    with ResendServer(faults=ResendFaults(server_error=1.0)) as provider:
-        transport = transport_from_url(provider.url)
-        await transport.start()
-        channel = transport.channel()
-
-        async def wide(message: OutgoingMessage) -> bool:
-            outcome = await channel.send(message, timeout=5)
-            assert isinstance(outcome, Retry) and outcome.uncertain, outcome
-            return outcome.transport_wide
-
-        try:
-            # one message the provider cannot take, alone in the queue: its tries count
-            assert [await wide(ann) for _ in range(4)] == [False] * 4
-            assert await wide(bob)  # a second message meets it too
-            provider.faults.server_error = 0.0
-            assert isinstance(await channel.send(cy, timeout=5), Accepted)  # any other answer ends it
-            provider.faults.server_error = 1.0
-            assert [await wide(ann), await wide(bob), await wide(ann)] == [False, False, True]
-        finally:
-            await channel.close()
-            await transport.close()
-
-
 def _named(name: str) -> bytes:
     return json.dumps({"name": name, "message": "no"}).encode()
 

@@ -32,10 +32,6 @@ from sendonce.transports.base import (
 
 logger = logging.getLogger(__name__)
 
-_FAILING_AFTER = 3
-"""Server errors in a row, for more than one message, with no other answer between them, after which
-a 500 is taken for the provider's state rather than the message's."""
-
 
 @dataclass(frozen=True, slots=True)
 class ResendSettings:
@@ -89,10 +85,6 @@ class ResendTransport(Transport):
         self.rate_bucket = f"transport:resend:{settings.base_url}"
         self._max_connections = max_connections
         self._client: httpx.AsyncClient | None = None
-        self._server_errors = 0
-        """The provider's answers in a row that were 5xx (any other answer starts it again)."""
-        self._server_error_jobs: set[str] = set()
-        """The messages those were for: two are enough to tell the provider from one message."""
 
     async def start(self) -> None:
         if self._client is None:
@@ -113,23 +105,6 @@ class ResendTransport(Transport):
         if self._client is None:
             raise RuntimeError("the transport is not started")
         return self._client
-
-    def note_answer(self, status: int, job_id: str) -> bool:
-        """Notes one answer of the provider; True if it is a server error that is the provider's,
-        not the message's: the last few answers were all 5xx, for more than one message.
-
-        A 500 alone says nothing of whom it is about, and is counted against the message (a message
-        the provider cannot take fails after its tries). In an incident every message meets it, and
-        counted, each would fail after its tries (about 8 minutes): what was due then would be lost.
-        Only answers count: a request that got none (no connection, a timeout) says nothing."""
-        if status < 500:
-            self._server_errors = 0
-            self._server_error_jobs.clear()
-            return False
-        self._server_errors += 1
-        if len(self._server_error_jobs) < 2:
-            self._server_error_jobs.add(job_id)
-        return self._server_errors >= _FAILING_AFTER and len(self._server_error_jobs) >= 2
 
     async def close(self) -> None:
         client, self._client = self._client, None
@@ -190,7 +165,6 @@ class ResendChannel(Channel):
             logger.exception("unexpected error sending %s", message.job_id)
             return Retry(f"unexpected {type(exc).__name__}: {exc}"[:500], uncertain=True)
         status = response.status_code
-        provider_failing = self.transport.note_answer(status, message.job_id)
         body = _json_object(response)  # parsed once: the id of a send, or the name of an error
         name = _error_name(body)
         detail = f"{status} {name or response.reason_phrase}: {response.text[:300]}"
@@ -229,14 +203,10 @@ class ResendChannel(Channel):
             # slow down: every message alike, for at least Retry-After
             return Retry(detail, retry_after=_retry_after(response), transport_wide=True)
         if status >= 500:
-            # It may have taken the message (uncertain). A gateway or an outage (502, 503, 504), or
-            # server errors for one message after another, are the provider's state, not this
-            # message's: not counted against it, and the lanes pause.
+            # It may have taken the message (uncertain). A gateway or an outage (502, 503, 504) is the
+            # provider's state, not this message's: not counted against it, and the lanes pause.
             return Retry(
-                detail,
-                uncertain=True,
-                retry_after=_retry_after(response),
-                transport_wide=status in (502, 503, 504) or provider_failing,
+                detail, uncertain=True, retry_after=_retry_after(response), transport_wide=status in (502, 503, 504)
             )
         if status == 401 or (status == 403 and name == "invalid_api_key"):
             # Our API key, not this message (Resend answers 403 invalid_api_key for a revoked one,
