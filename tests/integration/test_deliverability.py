@@ -25,6 +25,7 @@ from sendonce.domain.keys import KeyRing
 from sendonce.store.database import connect
 from sendonce.store.feedback import FeedbackPolicy
 from sendonce.testing.inbox import Inbox, InboxFaults
+from sendonce.testing.resend_server import ResendFaults, ResendServer
 from sendonce.transports.registry import transport_from_url
 from tests.conftest import ApiServer
 from tests.helpers import (
@@ -465,6 +466,28 @@ async def test_an_event_id_too_long_for_its_index_is_stored_as_its_digest(
     assert _one(database_url, "SELECT reason FROM sendonce.suppressions") == ("complaint",)
     (stored,) = _one(database_url, "SELECT event_id FROM sendonce.feedback_events")
     assert stored.startswith("sha256:") and len(stored) == 7 + 64
+
+
+async def test_an_event_names_a_long_provider_id_as_the_provider_gave_it(
+    database_url: str, client: httpx.Client
+) -> None:
+    # The record keeps a provider's id to its first 500 characters; the event names the whole id,
+    # and found no delivery by it.
+    setup = await campaign_setup(database_url, ["ann@example.test"])
+    with ResendServer(faults=ResendFaults(id_length=3000)) as provider:
+        await run_to_drain(database_url, transport_from_url(provider.url), DRAIN)
+        (accepted,) = provider.accepted
+    payload = {
+        "type": "email.complained",
+        "created_at": "2026-11-30T10:00:00.000Z",
+        "data": {"email_id": accepted.id, "to": ["ann@example.test"]},  # no job id: only the id links it
+    }
+    body = json.dumps(payload).encode()
+    key = base64.b64decode(SVIX_SECRET.removeprefix("whsec_"))
+    headers = svix_headers(body, msg_id="msg_long", ts=str(int(time.time())), key=key)
+    answer = client.post("/v1/webhooks/resend", content=body, headers=headers)
+    assert answer.json() == {"received": 1, "new": 1, "unattributed": 0}, answer.text
+    assert _one(database_url, "SELECT account_id, reason FROM sendonce.suppressions") == (setup.account_id, "complaint")
 
 
 @pytest.fixture

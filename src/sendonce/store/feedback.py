@@ -25,7 +25,7 @@ from sendonce.domain.addresses import InvalidAddress, parse_address
 from sendonce.domain.states import SuppressionReason
 from sendonce.store import alerts
 from sendonce.store.database import Conn
-from sendonce.store.outbox import storable
+from sendonce.store.outbox import MESSAGE_ID_LIMIT, storable
 from sendonce.store.queries import query
 from sendonce.webhooks import FeedbackEvent
 
@@ -85,7 +85,9 @@ async def _link(conn: Conn, event: FeedbackEvent) -> dict[str, Any] | None:
     if event.provider_message_id:
         # SendGrid reports "<X-Message-Id>.filter...": the part before the first dot is the id
         for candidate in dict.fromkeys([event.provider_message_id, event.provider_message_id.split(".")[0]]):
-            row = await _one(conn, "find_delivery_by_message_id", {"message_id": candidate})
+            # as the record stored it: a long id is kept to its first MESSAGE_ID_LIMIT characters
+            stored = storable(candidate)[:MESSAGE_ID_LIMIT]
+            row = await _one(conn, "find_delivery_by_message_id", {"message_id": stored})
             if row is not None:
                 return row
     return None
