@@ -173,31 +173,50 @@ _HUGE = 30_000_000
         (
             '{% set ns = namespace(a="x" * 100000) %}{% for i in range(8) %}{% set ns.a = ns.a ~ ns.a %}'
             "{% endfor %}{{ ns.a|length }}",
-            "builds a value longer than",
+            "would build a value longer than",
         ),
         (
             '{% set ns = namespace(a="x" * 100000) %}{% for i in range(8) %}{% set ns.a = ns.a + ns.a %}'
             "{% endfor %}{{ ns.a|length }}",
-            "builds a value longer than",
+            "would build a value longer than",
         ),
-        ('{{ range(1000)|join("x" * 99999) }}', "builds a value longer than"),
+        ('{{ range(1000)|join("x" * 99999) }}', "would build a value longer than"),
         ('{{ ("x" * 1000).join(range(1000)|map("string")) }}', None),  # 1 MB: within the limit
-        ('{{ ("x" * 100000).join(range(1000)|map("string"))|length }}', "builds a value longer than"),
-        ('{{ ("x" * 100000)|replace("x", "yyy" * 100)|length }}', "builds a value longer than"),
-        ('{{ ("x" * 100000).replace("x", "yyy" * 100)|length }}', "builds a value longer than"),
-        ('{{ ("x" * 100000)|wordwrap(1, wrapstring="y" * 1000)|length }}', "builds a value longer than"),
-        ('{{ ("x\n" * 50000)|indent(1000)|length }}', "builds a value longer than"),
-        ('{{ (["x" * 100000] * 1000)|string|length }}', "builds a value longer than"),
-        ('{{ ["x" * 100000] * 1000 }}', "builds a value longer than"),
+        ('{{ ("x" * 100000).join(range(1000)|map("string"))|length }}', "would build a value longer than"),
+        ('{{ ("x" * 100000)|replace("x", "yyy" * 100)|length }}', "would build a value longer than"),
+        ('{{ ("x" * 100000).replace("x", "yyy" * 100)|length }}', "would build a value longer than"),
+        ('{{ ("x" * 100000)|wordwrap(1, wrapstring="y" * 1000)|length }}', "would build a value longer than"),
+        ('{{ ("x\n" * 50000)|indent(1000)|length }}', "would build a value longer than"),
+        ('{{ (["x" * 100000] * 1000)|string|length }}', "would build a value longer than"),
+        ('{{ ["x" * 100000] * 1000 }}', "would build a value longer than"),
         (
             '{{ ("&" * 100000)|forceescape|forceescape|forceescape|forceescape|forceescape|length }}',
-            "builds a value longer than",
+            "built a value longer than",  # each filter's result: at most a few times its input, then refused
         ),
         (
             '{% set a = "x" * 100000 %}{% set b %}{% for i in range(500) %}{{ a }}{% endfor %}{% endset %}'
             "{{ b|length }}",
             "builds too much",
         ),
+        ('{{ ("a" * 1000)|replace(old="", new="b" * 20000)|length }}', "would build a value longer than"),  # by keyword
+        ('{{ ("a" * 100000)|replace("", 10 ** 60)|length }}', "would build a value longer than"),  # not a string
+        ('{{ ("%100000s" * 300) % ((1,) * 300) }}', "asks for a width over"),  # widths add up
+        ('{{ ("{:>100000}" * 300).format(*((1,) * 300)) }}', "asks for a width over"),
+        (f'{{{{ "%(a(b)){_HUGE}s" % {{"a(b)": 1}} }}}}', "asks for a width over"),  # a key with parentheses
+        # one argument, many times
+        ('{{ ("{0}" * 3000).format("x" * 10000)|length }}', "would build a value longer than"),
+        (
+            "{% set a %}{% for i in range(5000) %}" + "x" * 10000 + "{% endfor %}{% endset %}{{ a|length }}",
+            "builds too much",
+        ),  # template text, into a {% set %} block's buffer
+        (
+            "{% macro m() %}" + "x" * 10000 + "{% endmacro %}{% set a %}{% for i in range(5000) %}{{ m() }}"
+            "{% endfor %}{% endset %}{{ a|length }}",
+            "builds too much",
+        ),
+        ("{{ ([[1]] * 3)|sum(start=[])|length }}", "sums something other than numbers"),  # quadratic in one call
+        ('{{ (("ab " * 30000) ~ ("ab " * 30000))|wordwrap(2)|length }}', "wraps a text longer than"),
+        ('{{ (("a " * 30000) ~ ("a " * 30000))|urlize|length }}', "urlizes a text longer than"),
         ("{{ lipsum(100000)|length }}", "more than 100 paragraphs"),
         ("{{ x.translate({120: 'y' * 100000}) }}", "translate"),
     ],

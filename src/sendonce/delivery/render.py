@@ -8,6 +8,7 @@ variables are errors (StrictUndefined), never blanks in a sent mail.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import string
 import time
@@ -45,12 +46,15 @@ that builds a large value over and over (in a loop, in ``{% set %}`` blocks) is 
 MAX_BITS = 10_000
 """Largest integer a template may compute, in bits (about 3,000 digits)."""
 MAX_SECONDS = 1.0
-"""Time one render may take. The limits above bound memory and most of the work; this bounds what
-they cannot count (a loop searching a large value at every turn). A template a mail needs renders
-in well under a millisecond."""
+"""CPU time one render may take (its thread's: another process's load does not count). The limits
+above bound memory and most of the work; this bounds what they cannot count (a loop searching a
+large value at every turn). A template a mail needs renders in well under a millisecond."""
 
 _BUDGET: ContextVar[list[float]] = ContextVar("sendonce_template_budget")
-"""Per render: [iterations left, characters left, deadline (time.monotonic())]."""
+"""Per render: [iterations left, characters left, deadline (time.thread_time()), steps to the next
+look at the clock]."""
+_CLOCK_EVERY = 32
+"""Steps (loop turns, values built) between two looks at the clock, a system call."""
 
 
 def _refuse(why: str) -> NoReturn:
@@ -67,8 +71,11 @@ def _spend(iterations: int = 0, characters: int = 0) -> None:
         _refuse(f"the template loops too much (over {MAX_ITERATIONS} iterations)")
     if budget[1] < 0:
         _refuse(f"the template builds too much (over {MAX_WORK} characters in all)")
-    if time.monotonic() > budget[2]:
-        _refuse(f"the template takes too long to render (over {MAX_SECONDS:g} s)")
+    budget[3] -= 1
+    if budget[3] <= 0 or characters > 10_000:
+        budget[3] = _CLOCK_EVERY
+        if time.thread_time() > budget[2]:
+            _refuse(f"the template takes too long to render (over {MAX_SECONDS:g} s of CPU)")
 
 
 def _budgeted(iterable: Any) -> Iterator[Any]:
@@ -112,7 +119,7 @@ def _built(value: Any) -> Any:
     if isinstance(value, str | bytes | list | tuple):
         size = len(value)
         if size > MAX_OUTPUT:
-            _refuse(f"the template builds a value longer than {MAX_OUTPUT}")
+            _refuse(f"the template built a value longer than {MAX_OUTPUT}")
         _spend(characters=size)
     return value
 
@@ -120,7 +127,7 @@ def _built(value: Any) -> Any:
 def _will_build(size: int) -> None:
     """Before an operation that would build ``size`` characters (or items)."""
     if size > MAX_OUTPUT:
-        _refuse(f"the template builds a value longer than {MAX_OUTPUT}")
+        _refuse(f"the template would build a value longer than {MAX_OUTPUT}")
 
 
 def _as_text(value: Any) -> Any:
@@ -139,8 +146,28 @@ def _output(value: Any) -> Any:
     return value
 
 
-_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[#0 +-]*(\*|[0-9]+)?(?:\.(\*|[0-9]+))?")
+_PERCENT_FLAGS = re.compile(r"[#0 +-]*(\*|[0-9]*)(?:\.(\*|[0-9]*))?")
 _FORMATTER = string.Formatter()
+
+
+def _percent_specs(template: str) -> Iterator[tuple[str, str]]:
+    """The (width, precision) of each conversion of ``template % …``, read as CPython reads them: a
+    ``%(key)`` may hold parentheses, nested."""
+    at = template.find("%")
+    while at != -1:
+        at += 1
+        if template.startswith("%", at):
+            at = template.find("%", at + 1)
+            continue
+        if template.startswith("(", at):
+            depth, at = 1, at + 1
+            while at < len(template) and depth:
+                depth += {"(": 1, ")": -1}.get(template[at], 0)
+                at += 1
+        spec = _PERCENT_FLAGS.match(template, at)
+        assert spec is not None  # every part of the pattern may be empty
+        yield spec[1], spec[2] or ""
+        at = template.find("%", spec.end())
 
 
 def _check_width(width: Any) -> None:
@@ -148,37 +175,49 @@ def _check_width(width: Any) -> None:
         _refuse(f"the template asks for a width over {MAX_OUTPUT}")
 
 
+def _widths(numbers: Iterable[str]) -> int:
+    total = 0
+    for number in numbers:
+        if number == "*":
+            _refuse("the template formats with a width taken from its arguments")
+        if number:
+            if len(number) > 7:
+                _refuse(f"the template asks for a width over {MAX_OUTPUT}")
+            total += int(number)
+    if total > MAX_OUTPUT:
+        _refuse(f"the template asks for a width over {MAX_OUTPUT}")
+    return total
+
+
+def _check_formatted(template: str, fields: int, widths: int, args: Iterable[Any]) -> None:
+    """What formatting ``template`` builds, at most: its text, its widths, and each field the largest
+    argument's text (a field may name one argument many times)."""
+    largest = max((_text_size(arg) for arg in args), default=0)
+    _will_build(len(template) + widths + fields * largest)
+
+
 def _check_percent(template: str, args: Any) -> None:
     """``template % args``: no width or precision past the limit (nor one from the arguments)."""
-    for width, precision in _PERCENT_SPEC.findall(template):
-        for number in (width, precision):
-            if number == "*":
-                _refuse("the template formats with a width taken from its arguments")
-            if number and (len(number) > 7 or int(number) > MAX_OUTPUT):
-                _refuse(f"the template asks for a width over {MAX_OUTPUT}")
-    for arg in args.values() if isinstance(args, Mapping) else args if isinstance(args, tuple) else (args,):
-        _as_text(arg)
+    specs = list(_percent_specs(template))
+    widths = _widths(number for spec in specs for number in spec)
+    values = args.values() if isinstance(args, Mapping) else args if isinstance(args, tuple) else (args,)
+    _check_formatted(template, len(specs), widths, values)
 
 
 def _check_format(template: str, args: Iterable[Any]) -> None:
     """``template.format(*args)``: no width past the limit, nor one taken from the arguments."""
     try:
-        fields = list(_FORMATTER.parse(template))
+        fields = [spec or "" for _, name, spec, _ in _FORMATTER.parse(template) if name is not None]
     except ValueError:
         return  # str.format refuses it itself
-    for _, _, spec, _ in fields:
-        if spec and "{" in spec:
-            _refuse("the template formats with a width taken from its arguments")
-        for number in re.findall(r"[0-9]+", spec or ""):
-            if len(number) > 7 or int(number) > MAX_OUTPUT:
-                _refuse(f"the template asks for a width over {MAX_OUTPUT}")
-    for arg in args:
-        _as_text(arg)
+    if any("{" in spec for spec in fields):
+        _refuse("the template formats with a width taken from its arguments")
+    widths = _widths(number for spec in fields for number in re.findall(r"[0-9]+", spec))
+    _check_formatted(template, len(fields), widths, args)
 
 
 def _replaced_size(text: str, old: Any, new: Any, count: Any) -> int:
-    if not isinstance(old, str) or not isinstance(new, str):
-        return len(text)
+    old, new = str(_as_text(old)), str(_as_text(new))  # the filter writes them as text too
     found = text.count(old) if old else len(text) + 1
     if isinstance(count, int) and count >= 0:
         found = min(found, count)
@@ -222,49 +261,103 @@ def _check_method(method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return args
 
 
+_SLOW_INPUT = 100_000
+"""Longest text given to a filter written in Python that does much per character (``wordwrap``,
+``urlize``): 100,000 characters take them about 0.1 s."""
+
+
 def _guarded(name: str, filter_: Callable[..., Any]) -> Callable[..., Any]:
-    """A built-in filter whose result is checked, and, where an argument sets its size, refused first."""
-    passes_first = getattr(filter_, "jinja_pass_arg", None) is not None  # the context, environment...
+    """A built-in filter whose result is checked, and, where an argument sets its size, refused first.
+
+    Outside a render (Jinja folding constants while it compiles a template) it refuses to run, so
+    that its work is done, and counted, when the template is rendered."""
+    signature = inspect.signature(filter_)
+    first = next(iter(signature.parameters), None)
+    if getattr(filter_, "jinja_pass_arg", None) is not None and first not in ("context", "eval_ctx", "environment"):
+        # an async variant (slice, list) takes the context it is passed without naming it
+        passed = inspect.Parameter("_passed", inspect.Parameter.POSITIONAL_ONLY)
+        signature = signature.replace(parameters=[passed, *signature.parameters.values()])
+    checks = _FILTER_CHECKS.get(name)
 
     @functools.wraps(filter_)
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        value, rest = (args[1], args[2:]) if passes_first else (args[0], args[1:])
-        if name == "center":
-            _check_width(rest[0] if rest else kwargs.get("width"))
-        elif name == "indent":
-            width = rest[0] if rest else kwargs.get("width", 4)
-            step = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
-            _will_build(len(str(value)) + (str(value).count("\n") + 1) * step)
-        elif name == "join":
-            items = list(value)
-            _will_build(_joined_size(items, rest[0] if rest else kwargs.get("d", "")))
-            args = (args[0], items, *rest)
-        elif name == "replace" and len(rest) >= 2:
-            _will_build(_replaced_size(str(value), rest[0], rest[1], rest[2] if len(rest) > 2 else kwargs.get("count")))
-        elif name == "format":
-            _check_percent(str(value), kwargs or tuple(rest))
-        elif name in ("batch", "slice"):
-            _check_width(rest[0] if rest else kwargs.get("linecount", kwargs.get("slices")))
-        elif name == "wordwrap":
-            wrap = rest[2] if len(rest) > 2 else kwargs.get("wrapstring")
-            width = rest[0] if rest else kwargs.get("width", 79)
-            if isinstance(wrap, str) and isinstance(width, int):
-                text = str(value)
-                _will_build(len(text) + (len(text) // max(width, 1) + text.count("\n") + 1) * len(wrap))
-        elif name == "sum":
-            items = list(value)
-            _will_build(sum(len(i) for i in items if isinstance(i, str | list | tuple)))
-            args = (args[0], items, *rest)
-        elif name == "tojson":
-            indent = rest[0] if rest else kwargs.get("indent")
-            if isinstance(indent, int) and indent > 16:
-                _refuse("the template indents JSON by more than 16")
-            _as_text(value)
-        elif name in ("string", "pprint", "urlencode", "xmlattr", "list", "unique", "dictsort", "sort"):
-            _as_text(value)
+        if _BUDGET.get(None) is None:
+            _refuse("filters run only when the template is rendered")
+        if checks is not None:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            replaced = checks(bound.arguments)
+            if replaced is not None:  # an iterable read once, to measure it: the filter gets the list
+                bound.arguments.update(replaced)
+                args, kwargs = bound.args, bound.kwargs
         return _built(filter_(*args, **kwargs))
 
     return guarded
+
+
+def _text_of(value: Any) -> str:
+    return str(_as_text(value))
+
+
+def _check_indent(a: dict[str, Any]) -> None:
+    text, width = _text_of(a["s"]), a["width"]
+    step = len(_text_of(width)) if not isinstance(width, int) else width
+    _will_build(len(text) + (text.count("\n") + 1) * max(step, 0))
+
+
+def _check_join(a: dict[str, Any]) -> dict[str, Any]:
+    items = list(a["value"])
+    _will_build(_joined_size(items, _text_of(a["d"])))
+    return {"value": items}
+
+
+def _check_wordwrap(a: dict[str, Any]) -> None:
+    text, width = _text_of(a["s"]), a["width"]
+    if len(text) > _SLOW_INPUT:
+        _refuse(f"the template wraps a text longer than {_SLOW_INPUT}")
+    wrap = _text_of(a["wrapstring"]) if a["wrapstring"] is not None else "\n"
+    if isinstance(width, int):
+        _will_build(len(text) + (len(text) // max(width, 1) + text.count("\n") + 1) * len(wrap))
+
+
+def _check_urlize(a: dict[str, Any]) -> None:
+    if len(_text_of(a["value"])) > _SLOW_INPUT:
+        _refuse(f"the template urlizes a text longer than {_SLOW_INPUT}")
+
+
+def _check_sum(a: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(a["start"], int | float):
+        # lists or strings added one by one: quadratic work in one call the deadline cannot stop
+        _refuse("the template sums something other than numbers")
+    return {"iterable": list(a["iterable"])}
+
+
+def _check_tojson(a: dict[str, Any]) -> None:
+    if isinstance(a["indent"], int) and a["indent"] > 16:
+        _refuse("the template indents JSON by more than 16")
+    _as_text(a["value"])
+
+
+def _check_text(a: dict[str, Any]) -> None:
+    for value in a.values():
+        _as_text(value)
+
+
+_FILTER_CHECKS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = {
+    "center": lambda a: _check_width(a["width"]),
+    "indent": _check_indent,
+    "join": _check_join,
+    "replace": lambda a: _will_build(_replaced_size(_text_of(a["s"]), a["old"], a["new"], a["count"])),
+    "format": lambda a: _check_percent(_text_of(a["value"]), a["kwargs"] or tuple(a["args"])),
+    "batch": lambda a: _check_width(a["linecount"]),
+    "slice": lambda a: _check_width(a["slices"]),
+    "wordwrap": _check_wordwrap,
+    "urlize": _check_urlize,
+    "sum": _check_sum,
+    "tojson": _check_tojson,
+    **dict.fromkeys(("string", "pprint", "urlencode", "xmlattr", "list", "unique", "dictsort", "sort"), _check_text),
+}
+"""Per filter, the check of its arguments before it runs (by name, defaults applied)."""
 
 
 def _lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
@@ -294,6 +387,27 @@ class _Concats(NodeTransformer):
 _RESERVED = "_sendonce"
 
 
+def _literal_size(body: list[nodes.Node]) -> int:
+    """Characters of template text in ``body``, but for the bodies of loops, macros and call blocks
+    within it (each counts its own)."""
+    size = 0
+    stack: list[nodes.Node] = list(body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, nodes.TemplateData):
+            size += len(node.data)
+        elif isinstance(node, nodes.For | nodes.Macro | nodes.CallBlock):
+            continue
+        else:
+            stack.extend(node.iter_child_nodes())
+    return size
+
+
+def _spend_text(size: int) -> str:
+    _spend(characters=size)
+    return ""
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
     """The sandbox, with limits on work as well as on access: loops share an iteration budget per
     render; what a template builds (with ``*``, ``+``, ``~``, ``%``, filters, methods of strings
@@ -308,6 +422,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         super().__init__(finalize=_output, **options)
         self.globals["_sendonce_iter"] = _budgeted
         self.globals["_sendonce_concat"] = _concat
+        self.globals["_sendonce_spend"] = _spend_text
         self.globals["lipsum"] = _lipsum
         self.filters = {name: _guarded(name, filter_) for name, filter_ in self.filters.items()}
 
@@ -320,6 +435,13 @@ class _Sandbox(ImmutableSandboxedEnvironment):
                 raise jinja2.TemplateSyntaxError(f"names starting with {_RESERVED} are reserved", node.lineno)
         for loop in tree.find_all(nodes.For):
             loop.iter = nodes.Call(nodes.Name("_sendonce_iter", "load"), [loop.iter], [], None, None)
+        for repeated in tree.find_all((nodes.For, nodes.Macro, nodes.CallBlock)):
+            # Its text is written at every turn or call, and into a {% set %} block's buffer, which the
+            # output's cap does not see: counted against the render's work each time.
+            size = _literal_size(repeated.body)  # type: ignore[attr-defined]
+            if size:
+                spend = nodes.Call(nodes.Name("_sendonce_spend", "load"), [nodes.Const(size)], [], None, None)
+                repeated.body.insert(0, nodes.Output([spend]))  # type: ignore[attr-defined]
         _Concats().visit(tree)
         return tree
 
@@ -402,7 +524,7 @@ class CompiledTemplate:
 
     def _render_jinja(self, context: Mapping[str, Any]) -> str:
         assert self._template is not None
-        token = _BUDGET.set([MAX_ITERATIONS, MAX_WORK, time.monotonic() + MAX_SECONDS])
+        token = _BUDGET.set([MAX_ITERATIONS, MAX_WORK, time.thread_time() + MAX_SECONDS, 1])
         try:
             parts: list[str] = []
             size = 0

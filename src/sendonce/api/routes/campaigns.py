@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from datetime import UTC
 from typing import Annotated, Any
@@ -42,7 +43,7 @@ async def create_campaign(body: CampaignIn, request: Request, account: CurrentAc
         raise Problem(422, "subject is required (or a template_id)")
     if "\x00" in body.name:
         raise Problem(422, "name must not contain NUL characters")
-    text, html = check_content(subject, text, html)
+    body_text, body_html = await asyncio.to_thread(check_content, subject, text, html)  # off the loop: user code
     unknown = sorted(set(body.lists) - await list_store.existing_lists(conn, account.account_id, body.lists))
     if unknown:
         raise Problem(
@@ -57,8 +58,8 @@ async def create_campaign(body: CampaignIn, request: Request, account: CurrentAc
             account_id=account.account_id,
             name=body.name,
             subject=subject,
-            text_body=text,
-            html_body=html,
+            text_body=body_text,
+            html_body=body_html,
             from_email=account.from_email,
             from_name=account.from_name,
             list_ids=body.lists,
@@ -109,24 +110,32 @@ async def _check_recipients_can_be_rendered(conn: Db, account_id: int, campaign_
     # finds a missing variable or a template that cannot finish before anything is sent.
     lacking = await store.recipients_missing_attributes(conn, account_id, campaign_id, keys) if keys else []
     sample = await store.recipients_missing_attributes(conn, account_id, campaign_id, [], limit=3)
-    subject, text, html = compile_campaign(subject=campaign.subject, text=campaign.text_body, html=campaign.html_body)
-    failures: list[tuple[str, str]] = []
-    for row in [*lacking[:50], *sample]:
-        context = campaign_context(
-            email=row["email"],
-            name=row["name"],
-            attributes=row["attributes"],
-            subscriber_id=row["subscriber_id"],
-            campaign_id=campaign_id,
-            campaign_name=campaign.name,
-            unsubscribe_url="https://example.com/u/check",
+
+    def render_all() -> list[tuple[str, str]]:
+        """Run off the event loop: a template is an account's code, each render up to its limits."""
+        subject, text, html = compile_campaign(
+            subject=campaign.subject, text=campaign.text_body, html=campaign.html_body
         )
-        try:
-            for template in (subject, text, html):
-                if template is not None:
-                    template.render(context)
-        except TemplateError as exc:
-            failures.append((row["email"], str(exc)))
+        failures: list[tuple[str, str]] = []
+        for row in [*lacking[:50], *sample]:
+            context = campaign_context(
+                email=row["email"],
+                name=row["name"],
+                attributes=row["attributes"],
+                subscriber_id=row["subscriber_id"],
+                campaign_id=campaign_id,
+                campaign_name=campaign.name,
+                unsubscribe_url="https://example.com/u/check",
+            )
+            try:
+                for template in (subject, text, html):
+                    if template is not None:
+                        template.render(context)
+            except TemplateError as exc:
+                failures.append((row["email"], str(exc)))
+        return failures
+
+    failures = await asyncio.to_thread(render_all)
     if failures:
         if not lacking:
             raise Problem(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
@@ -67,7 +68,7 @@ def _out(template_id: int, body: TemplateIn, row: dict[str, Any]) -> dict[str, A
 async def create(body: TemplateIn, request: Request, account: CurrentAccount, conn: Db) -> Response:
     """Store a template (sandboxed Jinja2: ``email``, ``name``, ``attributes``, ``subscriber``, ``campaign``,
     ``unsubscribe_url``). A missing text part is generated from the HTML when mail is sent."""
-    check_content(body.subject, body.text, body.html)
+    await asyncio.to_thread(check_content, body.subject, body.text, body.html)  # off the loop: user code
 
     async def run() -> Response:
         row = await store.create_template(
@@ -97,7 +98,7 @@ async def read(template_id: TemplateId, account: CurrentAccount, conn: Db) -> di
 @router.put("/v1/templates/{template_id}")
 async def replace(template_id: TemplateId, body: TemplateIn, account: CurrentAccount, conn: Db) -> dict[str, Any]:
     """Replace a template. Campaigns already created from it keep the content they copied."""
-    check_content(body.subject, body.text, body.html)
+    await asyncio.to_thread(check_content, body.subject, body.text, body.html)  # off the loop: user code
     row = await store.update_template(
         conn,
         account.account_id,
@@ -142,12 +143,16 @@ async def preview(template_id: TemplateId, body: PreviewIn, account: CurrentAcco
         unsubscribe_url="https://example.com/u/preview",
     )
     text = row["text_body"] if row["text_body"] is not None else html_to_text(row["html_body"])
-    try:
+
+    def render() -> dict[str, Any]:  # off the event loop: a template is an account's code
         subject, text_t, html_t = compile_campaign(subject=row["subject"], text=text, html=row["html_body"])
         return {
             "subject": subject.render(context),
             "text": text_t.render(context),
             "html": html_t.render(context) if html_t is not None else None,
         }
+
+    try:
+        return await asyncio.to_thread(render)
     except TemplateError as exc:
         raise Problem(422, f"the template cannot be rendered for {email}: {exc}") from None
