@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import re
 import string
 import time
@@ -115,12 +116,15 @@ def _text_size(value: Any, limit: int = MAX_OUTPUT) -> int:
 
 
 def _built(value: Any) -> Any:
-    """A value the template built: refused if it is too long, counted against the render's work."""
+    """A value the template built: refused if it is too long (a list by what it holds: a list of one
+    large list many times is large), counted against the render's work; an integer past its size."""
     if isinstance(value, str | bytes | list | tuple):
-        size = len(value)
+        size = len(value) if isinstance(value, str | bytes) else _text_size(value)
         if size > MAX_OUTPUT:
             _refuse(f"the template built a value longer than {MAX_OUTPUT}")
         _spend(characters=size)
+    elif isinstance(value, int) and value.bit_length() > MAX_BITS:
+        _refuse(f"the template computes an integer over {MAX_BITS} bits")
     return value
 
 
@@ -137,7 +141,8 @@ def _as_text(value: Any) -> Any:
     return value
 
 
-def _output(value: Any) -> Any:
+@pass_eval_context  # so that Jinja does not fold a constant's output while it compiles, uncounted
+def _output(eval_ctx: EvalContext, value: Any) -> Any:
     """Each ``{{ … }}``'s value, before it is written: checked by its text's size and counted (a
     ``{% set %}`` block gathers what it writes without the render's output seeing it)."""
     size = _text_size(value)
@@ -192,7 +197,12 @@ def _widths(numbers: Iterable[str]) -> int:
 def _check_formatted(template: str, fields: int, widths: int, args: Iterable[Any]) -> None:
     """What formatting ``template`` builds, at most: its text, its widths, and each field the largest
     argument's text (a field may name one argument many times)."""
-    largest = max((_text_size(arg) for arg in args), default=0)
+    largest, left = 0, MAX_OUTPUT
+    for arg in args:  # measured together: each walk stops where the arguments' total passes the limit
+        size = _text_size(arg, left)
+        largest, left = max(largest, size), left - size
+        if left < 0:
+            _refuse(f"the template formats arguments longer than {MAX_OUTPUT} in all")
     _will_build(len(template) + widths + fields * largest)
 
 
@@ -254,7 +264,8 @@ def _check_method(method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
             items = list(args[0])
             _will_build(_joined_size(items, owner if isinstance(owner, str) else ""))
             return (items, *args[1:])
-        elif name in ("translate", "maketrans"):
+        elif name in ("translate", "maketrans", "encode"):
+            # translate's table sets its result's size; bytes would need every check again
             _refuse(f"the template calls {name}, which the sandbox does not allow")
     elif isinstance(owner, int) and name == "to_bytes":
         _check_width(args[0] if args else kwargs.get("length", 1))
@@ -332,6 +343,33 @@ def _check_sum(a: dict[str, Any]) -> dict[str, Any]:
     return {"iterable": list(a["iterable"])}
 
 
+def _items(value: Any) -> list[Any]:
+    """An iterable a filter makes one object per item of, read once: at most MAX_REPEAT items (one
+    list per character of a long string is tens of bytes per character)."""
+    items = list(itertools.islice(value, MAX_REPEAT + 1))
+    if len(items) > MAX_REPEAT:
+        _refuse(f"the template splits a value into more than {MAX_REPEAT} parts")
+    _spend(characters=len(items))
+    return items
+
+
+def _check_batch(a: dict[str, Any]) -> dict[str, Any]:
+    _check_width(a["linecount"])
+    if a["fill_with"] is not None and isinstance(a["linecount"], int):
+        _will_build(_text_size(a["fill_with"]) * a["linecount"])
+    return {"value": _items(a["value"])}
+
+
+def _check_slice(a: dict[str, Any]) -> dict[str, Any]:
+    _check_width(a["slices"])
+    return {"value": _items(a["value"])}
+
+
+def _check_round(precision: Any) -> None:
+    if isinstance(precision, int) and abs(precision) > 400:
+        _refuse("the template rounds to more than 400 digits")
+
+
 def _check_tojson(a: dict[str, Any]) -> None:
     if isinstance(a["indent"], int) and a["indent"] > 16:
         _refuse("the template indents JSON by more than 16")
@@ -349,8 +387,9 @@ _FILTER_CHECKS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = {
     "join": _check_join,
     "replace": lambda a: _will_build(_replaced_size(_text_of(a["s"]), a["old"], a["new"], a["count"])),
     "format": lambda a: _check_percent(_text_of(a["value"]), a["kwargs"] or tuple(a["args"])),
-    "batch": lambda a: _check_width(a["linecount"]),
-    "slice": lambda a: _check_width(a["slices"]),
+    "batch": _check_batch,
+    "round": lambda a: _check_round(a["precision"]),
+    "slice": _check_slice,
     "wordwrap": _check_wordwrap,
     "urlize": _check_urlize,
     "sum": _check_sum,
@@ -403,6 +442,23 @@ def _literal_size(body: list[nodes.Node]) -> int:
     return size
 
 
+def _stepped(test: Callable[..., Any]) -> Callable[..., Any]:
+    """A test: each call counted as a loop's turn (``select``, ``reject`` call it once per item), so
+    that the budget and the deadline are seen between calls (``select("in", a_long_list)``)."""
+
+    @functools.wraps(test)
+    def stepped(*args: Any, **kwargs: Any) -> Any:
+        _spend(iterations=1)
+        return test(*args, **kwargs)
+
+    return stepped
+
+
+def _dict(*args: Any, **kwargs: Any) -> dict[Any, Any]:
+    """``dict(...)`` in a template, without the type: ``dict.update(campaign, …)`` changed the data."""
+    return _built(dict(*args, **kwargs))  # type: ignore[no-any-return]
+
+
 def _spend_text(size: int) -> str:
     _spend(characters=size)
     return ""
@@ -424,7 +480,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         self.globals["_sendonce_concat"] = _concat
         self.globals["_sendonce_spend"] = _spend_text
         self.globals["lipsum"] = _lipsum
-        self.filters = {name: _guarded(name, filter_) for name, filter_ in self.filters.items()}
+        self.globals["dict"] = _dict  # the builtin type's methods, called on a context's dicts, changed them
+        # pprint walks nesting in quadratic time; it is for debugging, not mail
+        self.filters = {name: _guarded(name, f) for name, f in self.filters.items() if name != "pprint"}
+        self.tests = {name: _stepped(test) for name, test in self.tests.items()}  # type: ignore[arg-type]
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
         tree = super()._parse(source, name, filename)
@@ -433,6 +492,9 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             # would be called instead, and its loops and joins run unchecked
             if str(getattr(node, "name", "")).startswith(_RESERVED):
                 raise jinja2.TemplateSyntaxError(f"names starting with {_RESERVED} are reserved", node.lineno)
+        for loop in tree.find_all(nodes.For):
+            if loop.recursive:  # loop(...) iterates outside the loops' budget
+                raise jinja2.TemplateSyntaxError("recursive loops are not allowed", loop.lineno)
         for loop in tree.find_all(nodes.For):
             loop.iter = nodes.Call(nodes.Name("_sendonce_iter", "load"), [loop.iter], [], None, None)
         for repeated in tree.find_all((nodes.For, nodes.Macro, nodes.CallBlock)):
@@ -636,6 +698,8 @@ def compile_template(
     except (RecursionError, SyntaxError):
         # Jinja parses recursively and compiles to Python, which caps nesting (blocks, parentheses)
         raise TemplateError(f"{field}: the template is nested too deeply") from None
+    except (ValueError, OverflowError, MemoryError) as exc:  # a number literal of 5,000 digits, say
+        raise TemplateError(f"{field}: the template cannot be compiled: {type(exc).__name__}: {exc}") from None
     if allowed is not None:
         unknown = sorted(variables - set(allowed))
         if unknown:
