@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sendonce.chaos.processes import death_note
 from sendonce.delivery import render
 from sendonce.delivery.compose import CAMPAIGN_VARIABLES, compile_campaign
-from sendonce.delivery.render import TemplateError, compile_template
+from sendonce.delivery.render import TemplateError, compile_template, html_to_text
 from sendonce.faults import DEATH_NOTE, Faults
 
 
@@ -292,6 +292,13 @@ def test_limited_templates_render_as_jinja_does() -> None:
     assert text.render({"n": 1234567}) == ('1,234,567|003.1|1-2|1, 2|1234567x|ab|37037036703703703670|1024|{"a": [1]}')
     html = compile_template('{{ "<b>" ~ n }}{{ n ~ ("<i>"|safe) }}', html=True, allowed=["n"])
     assert html.render({"n": "<a>"}) == "&lt;b&gt;&lt;a&gt;&lt;a&gt;<i>"
+
+
+def test_a_text_part_is_made_only_from_html_nested_within_reason() -> None:
+    # html2text indents each line by its depth: nested lists made text quadratic in their depth
+    assert "x" in html_to_text("<ul><li>x" * 10)
+    with pytest.raises(TemplateError, match="nested 60 deep"):
+        html_to_text("<ul><li>x" * 60)
 
 
 def test_templates_have_no_loader_so_cannot_include_files() -> None:

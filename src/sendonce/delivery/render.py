@@ -716,9 +716,26 @@ def compile_template(
     return CompiledTemplate(source, variables, template, None, dict(template.globals), plan)
 
 
+_INDENTING = re.compile(r"<(/?)(?:ul|ol|dl|blockquote)\b", re.IGNORECASE)
+MAX_INDENT = 50
+"""Deepest nesting of lists and quotes an HTML part may have for a text part to be made from it:
+html2text indents each line by its depth, so its text grows with the square of the nesting (96 KB
+of nested lists made 144 MB of text in 27 s, which was then compiled as a template)."""
+
+
 def html_to_text(html: str) -> str:
     """A readable text part from an HTML template (links kept as ``[text](url)``); template tags survive."""
     import html2text
+
+    depth = deepest = 0
+    for tag in _INDENTING.finditer(html):
+        depth = max(depth - 1, 0) if tag[1] else depth + 1
+        deepest = max(deepest, depth)
+    if deepest > MAX_INDENT:
+        raise TemplateError(
+            f"html: lists or quotes nested {deepest} deep (at most {MAX_INDENT} to make a text part from it): "
+            "give a text part"
+        )
 
     converter = html2text.HTML2Text()
     converter.body_width = 0
