@@ -163,7 +163,7 @@ _HUGE = 30_000_000
         (f'{{{{ "a"|center({_HUGE}) }}}}', "asks for a width over"),
         (f'{{{{ "a".ljust({_HUGE}) }}}}', "asks for a width over"),
         (f'{{{{ "1".zfill({_HUGE}) }}}}', "asks for a width over"),
-        (f'{{{{ (1).to_bytes({_HUGE}, "big")|length }}}}', "asks for a width over"),
+        (f'{{{{ (1).to_bytes({_HUGE}, "big")|length }}}}', "calls to_bytes"),
         (f'{{{{ "%0{_HUGE}d" % 1 }}}}', "asks for a width over"),
         (f'{{{{ "%0{_HUGE}d"|format(1) }}}}', "asks for a width over"),
         (f'{{{{ "{{:>{_HUGE}}}".format(1) }}}}', "asks for a width over"),

@@ -248,27 +248,23 @@ def _check_method(method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     the limits. Returns the arguments to call it with (an iterable to join, read once)."""
     owner = getattr(method, "__self__", None)
     name = getattr(method, "__name__", "")
-    if isinstance(owner, str | bytes):
+    if name in ("translate", "maketrans", "encode", "to_bytes"):
+        # translate's table sets its result's size; bytes (encode, int.to_bytes) would need every
+        # check again: a template makes none
+        _refuse(f"the template calls {name}, which the sandbox does not allow")
+    if isinstance(owner, str):
         if name in ("center", "ljust", "rjust", "zfill"):
             _check_width(args[0] if args else kwargs.get("width"))
         elif name == "expandtabs":
             tabsize = args[0] if args else kwargs.get("tabsize", 8)
             if isinstance(tabsize, int):
-                tab = "\t" if isinstance(owner, str) else b"\t"
-                _will_build(len(owner) + owner.count(tab) * tabsize)  # type: ignore[arg-type]
-        elif name == "replace" and isinstance(owner, str) and len(args) >= 2:
+                _will_build(len(owner) + owner.count("\t") * tabsize)
+        elif name == "replace" and len(args) >= 2:
             _will_build(_replaced_size(owner, args[0], args[1], args[2] if len(args) > 2 else kwargs.get("count")))
-        elif name == "replace" and isinstance(owner, bytes) and len(args) >= 2:
-            _will_build(len(owner) * max(len(args[1]), 1) if isinstance(args[1], bytes) else len(owner))
         elif name == "join" and args:
             items = list(args[0])
-            _will_build(_joined_size(items, owner if isinstance(owner, str) else ""))
+            _will_build(_joined_size(items, owner))
             return (items, *args[1:])
-        elif name in ("translate", "maketrans", "encode"):
-            # translate's table sets its result's size; bytes would need every check again
-            _refuse(f"the template calls {name}, which the sandbox does not allow")
-    elif isinstance(owner, int) and name == "to_bytes":
-        _check_width(args[0] if args else kwargs.get("length", 1))
     return args
 
 
@@ -394,7 +390,7 @@ _FILTER_CHECKS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = {
     "urlize": _check_urlize,
     "sum": _check_sum,
     "tojson": _check_tojson,
-    **dict.fromkeys(("string", "pprint", "urlencode", "xmlattr", "list", "unique", "dictsort", "sort"), _check_text),
+    **dict.fromkeys(("string", "urlencode", "xmlattr", "list", "unique", "dictsort", "sort"), _check_text),
 }
 """Per filter, the check of its arguments before it runs (by name, defaults applied)."""
 

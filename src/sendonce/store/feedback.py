@@ -104,8 +104,7 @@ async def ingest(conn: Conn, event: FeedbackEvent, policy: FeedbackPolicy) -> In
     owner = delivery["account_id"] if delivery is not None else event.account_id
     if owner is None:
         return Ingested(False, None, None, False)
-    email = event.email or (delivery["email"] if delivery is not None else None)
-    """As the provider reported it (recorded with the event)."""
+    email = event.email or (delivery["email"] if delivery is not None else None)  # as reported: kept with the event
     email_key: str | None = None
     suppress_email = email
     if delivery is not None:
