@@ -318,6 +318,29 @@ def test_an_unreachable_database_gets_a_503_that_can_be_retried(database_url: st
     assert _count(database_url, "SELECT count(*) FROM sendonce.lists") == 2
 
 
+def test_a_forged_link_is_a_400_while_the_database_is_unreachable(database_url: str) -> None:
+    """A signed token is checked before a connection is taken: a forged link is the client's error
+    (400, not to be retried) whether or not the database answers, and takes nothing from the pool."""
+    with (
+        TcpProxy(**proxy_target(database_url)) as proxy,  # type: ignore[arg-type]
+        ApiServer(through_proxy(database_url, proxy.port)) as server,
+        httpx.Client(base_url=server.url, timeout=30) as c,
+    ):
+        auth = _account(c)
+        proxy.cut()
+        _problem(c.post("/v1/lists", json={"name": "during"}, headers=auth), 503)  # the cut is real
+        forged = "x" * 40
+        for response in (
+            c.post(f"/u/{forged}"),
+            c.post(f"/u/{forged}/resubscribe"),
+            c.post("/v1/signups/verify", json={"token": forged}),
+            c.post("/v1/lists/confirm", json={"token": forged}),
+        ):
+            assert _problem(response, 400)["type"].endswith("token-invalid"), response.request.url
+        assert c.get(f"/u/{forged}").status_code == 400
+        assert c.post("/v1/signups/verify", data={"token": forged}).status_code == 400
+
+
 def test_a_database_that_stops_answering_gets_a_503_within_the_deadline(database_url: str) -> None:
     """Packets dropped rather than refused: no error ever comes back, and without the deadline the
     request would hang until this client's own timeout (and fail the test there)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -17,7 +18,10 @@ from sendonce.store.database import Conn
 _BEARER = {"WWW-Authenticate": "Bearer"}
 
 
-async def db(request: Request) -> AsyncIterator[Conn]:
+@contextlib.asynccontextmanager
+async def connection(request: Request) -> AsyncIterator[Conn]:
+    """A pooled connection, for a route that first checks what it can without one (a signed token:
+    a forged one is a 400 whether or not the database answers, and takes no connection from the pool)."""
     async with request.app.state.pool.connection() as conn:
         try:
             yield conn
@@ -26,6 +30,11 @@ async def db(request: Request) -> AsyncIterator[Conn]:
             # connection is not lent again, and its replacement may reach the new primary.
             await conn.close()
             raise
+
+
+async def db(request: Request) -> AsyncIterator[Conn]:
+    async with connection(request) as conn:
+        yield conn
 
 
 def settings_of(request: Request) -> Settings:

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, StringConstraints
 
-from sendonce.api.deps import Db
+from sendonce.api.deps import connection
 from sendonce.api.models import json_or_form_body
 from sendonce.api.problems import Problem
 from sendonce.api.services import services_of
@@ -62,7 +62,7 @@ async def confirm_page(request: Request, token: Annotated[str, Query(max_length=
     "/v1/lists/confirm",
     openapi_extra=json_or_form_body(ConfirmIn),  # the route reads its body itself: documented for clients
 )
-async def confirm(request: Request, conn: Db) -> Response:
+async def confirm(request: Request) -> Response:
     """Confirm a double opt-in membership: JSON ``{token}`` or the page's form. Idempotent."""
     human = request.headers.get("content-type", "").split(";")[0].strip().lower() == "application/x-www-form-urlencoded"
     if human:
@@ -72,8 +72,9 @@ async def confirm(request: Request, conn: Db) -> Response:
             token = ConfirmIn.model_validate_json(await request.body()).token
         except ValueError:
             raise Problem(422, 'send a JSON body {"token": "..."}') from None
-    account_id, list_id, subscriber_id = _payload(request, token)
-    result = await confirm_membership(conn, account_id, list_id, subscriber_id)
+    account_id, list_id, subscriber_id = _payload(request, token)  # a forged token: 400, database or not
+    async with connection(request) as conn:
+        result = await confirm_membership(conn, account_id, list_id, subscriber_id)
     if result is None:
         raise Problem(400, "this confirmation link is not valid", kind="token-invalid", title="Invalid link")
     changed, list_name, status = result

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, StringConstraints
 
-from sendonce.api.deps import CurrentAccount, Db
+from sendonce.api.deps import CurrentAccount, Db, connection
 from sendonce.api.idempotency import idempotent
 from sendonce.api.models import json_or_form_body
 from sendonce.api.problems import Problem
@@ -162,7 +162,7 @@ def _verify_payload(request: Request, token: str) -> dict[str, object]:
     "/v1/signups/verify",
     openapi_extra=json_or_form_body(VerifyIn),  # the route reads its body itself: documented for clients
 )
-async def verify(request: Request, conn: Db) -> Response:
+async def verify(request: Request) -> Response:
     """Verify a signup with the token of its link: JSON ``{token}``, or the form of the GET page.
 
     Idempotent: verifying twice answers 200 again. A forged or expired token is a 400.
@@ -177,9 +177,10 @@ async def verify(request: Request, conn: Db) -> Response:
             token = VerifyIn.model_validate_json(await request.body()).token
         except ValueError:
             raise Problem(422, 'send a JSON body {"token": "..."}') from None
-    payload = _verify_payload(request, token)
+    payload = _verify_payload(request, token)  # before a connection: a forged token is a 400, database or not
     try:
-        outcome = await verify_signup(conn, payload)
+        async with connection(request) as conn:
+            outcome = await verify_signup(conn, payload)
     except UnknownSignup:
         raise Problem(400, "this verification link is not valid", kind="token-invalid", title="Invalid link") from None
     if human:

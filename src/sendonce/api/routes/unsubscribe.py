@@ -3,9 +3,9 @@
 ``POST /u/{token}`` is what mailbox providers call when someone presses "unsubscribe": no cookies,
 no authentication, no redirect, idempotent, and the change is committed before the answer. The token
 is signed (HMAC under the server secret) and names the account, the subscriber and the campaign, so
-a forged one is refused without touching the database. It never expires, so it undoes an unsubscribe
-("resubscribe") at once only within a day of it; after that it sends the address a confirmation
-mail: an old or forwarded mail subscribes no one by itself.
+a forged one is refused without touching the database (a 400 even while it is down). It never
+expires, so it undoes an unsubscribe ("resubscribe") at once only within a day of it; after that it
+sends the address a confirmation mail: an old or forwarded mail subscribes no one by itself.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import HTMLResponse
 
-from sendonce.api.deps import Db
+from sendonce.api.deps import connection
 from sendonce.api.problems import Problem
 from sendonce.api.routes.subscribers import confirm_url_maker
 from sendonce.api.services import services_of
 from sendonce.delivery.compose import UNSUBSCRIBE_PURPOSE
 from sendonce.domain.keys import InvalidToken
 from sendonce.store import unsubscribes
+from sendonce.store.database import Conn
 
 router = APIRouter(tags=["unsubscribe"])
 
@@ -56,7 +57,7 @@ def _form(action: str, label: str) -> str:
     )
 
 
-async def _lists(conn: Db, ids: tuple[int, int, int]) -> list[dict[str, Any]]:
+async def _lists(conn: Conn, ids: tuple[int, int, int]) -> list[dict[str, Any]]:
     rows = await unsubscribes.state(conn, ids[0], ids[1], ids[2])
     if not rows:
         raise Problem(404, "this unsubscribe link refers to nothing that exists any more")
@@ -64,10 +65,10 @@ async def _lists(conn: Db, ids: tuple[int, int, int]) -> list[dict[str, Any]]:
 
 
 @router.post("/u/{token}", response_class=HTMLResponse)
-async def one_click(token: Token, request: Request, conn: Db) -> HTMLResponse:
+async def one_click(token: Token, request: Request) -> HTMLResponse:
     """Unsubscribe now (the RFC 8058 one-click POST, or the button of the page)."""
     ids = _identity(request, token)
-    async with conn.transaction():
+    async with connection(request) as conn, conn.transaction():
         rows = await _lists(conn, ids)
         await unsubscribes.unsubscribe(conn, *ids)
     names = ", ".join(r["list_name"] for r in rows)
@@ -79,7 +80,7 @@ async def one_click(token: Token, request: Request, conn: Db) -> HTMLResponse:
 
 
 @router.get("/u/{token}", response_class=HTMLResponse)
-async def page(token: Token, request: Request, conn: Db) -> HTMLResponse:
+async def page(token: Token, request: Request) -> HTMLResponse:
     """The page a person reaches from the link in the mail: it asks before it changes anything,
     so link scanners that fetch every URL unsubscribe nobody."""
     try:
@@ -88,7 +89,8 @@ async def page(token: Token, request: Request, conn: Db) -> HTMLResponse:
         response = _page("Link not valid", exc.detail)
         response.status_code = 400
         return response
-    rows = await _lists(conn, ids)
+    async with connection(request) as conn:
+        rows = await _lists(conn, ids)
     names = ", ".join(r["list_name"] for r in rows)
     if all(r["status"] in (None, "unsubscribed") for r in rows):
         if any(r["undoable"] for r in rows):
@@ -106,11 +108,11 @@ async def page(token: Token, request: Request, conn: Db) -> HTMLResponse:
 
 
 @router.post("/u/{token}/resubscribe", response_class=HTMLResponse)
-async def resubscribe(token: Token, request: Request, conn: Db) -> HTMLResponse:
+async def resubscribe(token: Token, request: Request) -> HTMLResponse:
     """Undo an unsubscribe of the last day; an older one is undone by a confirmation mail to the
     address, which only its owner can use (the link is in every forwarded copy of the mail)."""
     account_id, subscriber_id, campaign_id = ids = _identity(request, token)
-    async with conn.transaction():
+    async with connection(request) as conn, conn.transaction():
         rows = await _lists(conn, ids)
         joined = set(await unsubscribes.resubscribe(conn, *ids))
         asked = set(
