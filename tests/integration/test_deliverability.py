@@ -585,6 +585,42 @@ async def test_a_campaign_with_too_many_bounces_pauses_itself(database_url: str,
     assert client.get(f"/v1/campaigns/{setup.campaign_id}", headers=auth).json()["paused_reason"] is None
 
 
+async def test_a_bounce_check_that_failed_is_made_again_by_the_providers_retry(
+    database_url: str, client: httpx.Client
+) -> None:
+    """A webhook's bounce is ingested and its campaign's rate checked in one transaction. Checked after
+    the ingest committed, a check that failed (the database lost, here a trigger that refuses the
+    pause once) was never made again: the provider's retry was a replay, new to no campaign, and the
+    campaign went on sending past its limit."""
+    setup = await _sent_campaign(database_url, ["ann@example.test", "bob@example.test"])
+    job = _one(database_url, "SELECT job_id FROM sendonce.deliveries WHERE email = 'ann@example.test'")[0]
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        # the bounce arrives while the campaign still sends (its last rows in flight elsewhere)
+        conn.execute("UPDATE sendonce.campaigns SET status = 'sending', finished_at = NULL")
+        conn.execute(
+            """CREATE FUNCTION public.refuse_pause() RETURNS trigger LANGUAGE plpgsql AS $$
+               BEGIN RAISE EXCEPTION 'terminating connection' USING ERRCODE = '57P01'; END $$"""
+        )
+        conn.execute(
+            """CREATE TRIGGER refuse_pause BEFORE UPDATE ON sendonce.campaigns FOR EACH ROW
+               WHEN (NEW.status = 'paused') EXECUTE FUNCTION public.refuse_pause()"""
+        )
+    event = {"id": "evt-bounce", "type": "hard_bounce", "email": "ann@example.test", "job_id": job}
+    try:
+        assert _generic(client, [event]).status_code == 503
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute("DROP TRIGGER refuse_pause ON sendonce.campaigns")
+            conn.execute("DROP FUNCTION public.refuse_pause()")
+    response = _generic(client, [event])  # the provider's retry
+    assert response.status_code == 200, response.text
+    assert response.json()["new"] == 1  # the failed request wrote nothing
+    assert _one(database_url, "SELECT status FROM sendonce.campaigns WHERE campaign_id = %s", setup.campaign_id) == (
+        "paused",
+    )
+    assert _one(database_url, "SELECT count(*) FROM sendonce.feedback_events") == (1,)
+
+
 async def _key_for(database_url: str, account_id: int, client: httpx.Client) -> dict[str, str]:
     """A fresh API key for an account created in the store (tests only: replaces its hash)."""
     from sendonce.store.accounts import _hash

@@ -88,7 +88,11 @@ async def receive(
         return {"subscription": parsed.topic_arn, "confirmed": confirmed}
     new = unattributed = 0
     campaigns: set[tuple[int, int]] = set()
-    async with conn.transaction():  # the whole request or nothing: a provider retries a failed one
+    alerts: list[tuple[int, dict[str, Any]]] = []
+    # The whole request or nothing: a provider retries a failed one. The campaigns' bounce and
+    # complaint checks too: made after a committed ingest, a check that failed was never made again
+    # (the provider's retry is a replay, new to no campaign), and the campaign went on sending.
+    async with conn.transaction():
         for event in parsed:
             result = await feedback.ingest(conn, event, services.feedback)
             if result.account_id is None:
@@ -97,9 +101,11 @@ async def receive(
             new += result.new
             if result.new and result.campaign_id is not None and event.kind in ("hard_bounce", "complaint"):
                 campaigns.add((result.account_id, result.campaign_id))
-    for account_id, campaign_id in campaigns:
-        alert = await feedback.check_campaign(conn, account_id, campaign_id, services.feedback)
-        if alert is not None:
-            logger.warning("campaign %s paused: %s", campaign_id, alert["detail"]["reason"])
-            services.notify(account_id, alert)
+        for account_id, campaign_id in sorted(campaigns):
+            alert = await feedback.check_campaign(conn, account_id, campaign_id, services.feedback)
+            if alert is not None:
+                alerts.append((account_id, alert))
+    for account_id, alert in alerts:  # once committed: an alert for a pause that happened
+        logger.warning("campaign %s paused: %s", alert["detail"]["campaign_id"], alert["detail"]["reason"])
+        services.notify(account_id, alert)
     return {"received": len(parsed), "new": new, "unattributed": unattributed}
