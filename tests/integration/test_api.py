@@ -339,6 +339,11 @@ def test_a_forged_link_is_a_400_while_the_database_is_unreachable(database_url: 
             assert _problem(response, 400)["type"].endswith("token-invalid"), response.request.url
         assert c.get(f"/u/{forged}").status_code == 400
         assert c.post("/v1/signups/verify", data={"token": forged}).status_code == 400
+        # nor does a wrong admin token, or a webhook that is not signed
+        wrong = {"Authorization": "Bearer not-the-admin-token"}
+        _problem(c.post("/v1/accounts", json={"name": "x", "from_email": "a@b.test"}, headers=wrong), 401)
+        _problem(c.put("/v1/accounts/1/dkim", json=None, headers=wrong), 401)
+        _problem(c.post("/v1/webhooks/generic", content=b'[{"type": "hard_bounce"}]'), 401)
 
 
 def test_a_database_that_stops_answering_gets_a_503_within_the_deadline(database_url: str) -> None:

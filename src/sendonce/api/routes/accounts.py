@@ -21,7 +21,10 @@ router = APIRouter(tags=["accounts"])
 
 @router.post("/v1/accounts", status_code=201, response_model=AccountOut)
 async def create_account(
-    body: AccountIn, request: Request, conn: Db, _: Annotated[None, Depends(require_admin)]
+    body: AccountIn,
+    request: Request,
+    _: Annotated[None, Depends(require_admin)],  # before the connection: a wrong token takes none
+    conn: Db,
 ) -> Response:
     """Create an account (admin token). The API key is in this answer only; only its hash is stored."""
     try:
@@ -62,8 +65,8 @@ class DkimIn(BaseModel):
 async def set_dkim(
     account_id: Annotated[int, Path(ge=1, le=BIGINT_MAX)],
     body: DkimIn | None,
+    _: Annotated[None, Depends(require_admin)],  # before the connection: a wrong token takes none
     conn: Db,
-    _: Annotated[None, Depends(require_admin)],
 ) -> dict[str, Any]:
     """Sign the account's SMTP mail with DKIM (admin token); a null body turns it off."""
     dkim: store.DkimSettings | None = None

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 from fastapi import APIRouter, Path, Request
 
-from sendonce.api.deps import Db
+from sendonce.api.deps import connection
 from sendonce.api.problems import Problem
 from sendonce.api.services import services_of
 from sendonce.store import feedback
@@ -48,7 +48,6 @@ def _fetch_certificate(url: str) -> bytes:
 async def receive(
     provider: Annotated[str, Path(max_length=32)],
     request: Request,
-    conn: Db,
 ) -> dict[str, Any]:
     services = services_of(request)
     if provider not in PROVIDERS:
@@ -88,24 +87,24 @@ async def receive(
         return {"subscription": parsed.topic_arn, "confirmed": confirmed}
     new = unattributed = 0
     campaigns: set[tuple[int, int]] = set()
-    alerts: list[tuple[int, dict[str, Any]]] = []
-    # The whole request or nothing: a provider retries a failed one. The campaigns' bounce and
-    # complaint checks too: made after a committed ingest, a check that failed was never made again
-    # (the provider's retry is a replay, new to no campaign), and the campaign went on sending.
-    async with conn.transaction():
-        for event in parsed:
-            result = await feedback.ingest(conn, event, services.feedback)
-            if result.account_id is None:
-                unattributed += 1
-                continue
-            new += result.new
-            if result.new and result.campaign_id is not None and event.kind in ("hard_bounce", "complaint"):
-                campaigns.add((result.account_id, result.campaign_id))
+    # A connection only now: a forged or slow request (its body, a certificate fetch) holds none.
+    async with connection(request) as conn:
+        async with conn.transaction():  # the whole request or nothing: a provider retries a failed one
+            for event in parsed:
+                result = await feedback.ingest(conn, event, services.feedback)
+                if result.account_id is None:
+                    unattributed += 1
+                    continue
+                new += result.new
+                # Replays too: a provider retries a request whose campaign check failed after its
+                # events were committed, and the check must be made then (it pauses at most once).
+                if result.campaign_id is not None and event.kind in ("hard_bounce", "complaint"):
+                    campaigns.add((result.account_id, result.campaign_id))
+        # Each after the commit, in a statement of its own: it counts the campaign's committed
+        # feedback, this request's and that of requests committed meanwhile.
         for account_id, campaign_id in sorted(campaigns):
             alert = await feedback.check_campaign(conn, account_id, campaign_id, services.feedback)
             if alert is not None:
-                alerts.append((account_id, alert))
-    for account_id, alert in alerts:  # once committed: an alert for a pause that happened
-        logger.warning("campaign %s paused: %s", alert["detail"]["campaign_id"], alert["detail"]["reason"])
-        services.notify(account_id, alert)
+                logger.warning("campaign %s paused: %s", campaign_id, alert["detail"]["reason"])
+                services.notify(account_id, alert)
     return {"received": len(parsed), "new": new, "unattributed": unattributed}
