@@ -793,7 +793,7 @@ def attribute_keys(*sources: str | None) -> set[str]:
 
     keys: set[str] = set()
     for source in sources:
-        if not source:
+        if not source or not _within_tokens(_TEXT, source):  # too many: compiling refuses it
             continue
         try:
             tree = _TEXT.parse(source)

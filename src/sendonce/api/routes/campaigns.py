@@ -105,7 +105,8 @@ async def _check_recipients_can_be_rendered(conn: Db, account_id: int, campaign_
     campaign = await store.get_campaign(conn, account_id, campaign_id)
     if campaign is None or campaign.status.value != "draft":
         return  # the CAS reports it
-    keys = sorted(attribute_keys(campaign.subject, campaign.text_body, campaign.html_body))
+    # parsed off the event loop, as everything of a template (a large one takes a tenth of a second)
+    keys = sorted(await asyncio.to_thread(attribute_keys, campaign.subject, campaign.text_body, campaign.html_body))
     # Recipients lacking an attribute the templates read, and a few others: rendering for them now
     # finds a missing variable or a template that cannot finish before anything is sent.
     lacking = await store.recipients_missing_attributes(conn, account_id, campaign_id, keys) if keys else []
