@@ -685,18 +685,28 @@ def plain_value(context: Mapping[str, Any], path: tuple[str, ...]) -> str | int 
     return value  # type: ignore[no-any-return]
 
 
-def _within_tokens(env: jinja2.Environment, source: str) -> bool:
-    """True when ``source`` has at most MAX_TOKENS tokens, counted by Jinja's own lexer up to the
-    limit (a lexing error counts as within: the parse reports it, with its line)."""
+MAX_LITERAL = 3_100
+"""Longest number a template may write, in characters (MAX_BITS is about 3,011 decimal digits).
+Jinja reads ``0x…`` without Python's 4,300-digit limit for decimals, and folds some operators on
+constants while it compiles, where no limit is checked: ``0xff…f // 0xee…e`` of a megabyte, eleven
+tokens, took 40 s of CPU in the API."""
+
+
+def _token_problem(env: jinja2.Environment, source: str) -> str | None:
+    """Why ``source`` is too big to parse (more than MAX_TOKENS tokens, counted by Jinja's own lexer
+    up to the limit, or a number longer than MAX_LITERAL), or None. A lexing error is not a problem
+    here: the parse reports it, with its line, after fewer tokens than counted here."""
     count = 0
     try:
-        for _ in env.lexer.tokeniter(source, None):
+        for _, kind, value in env.lexer.tokeniter(source, None):
             count += 1
             if count > MAX_TOKENS:
-                return False
+                return f"the template has more than {MAX_TOKENS:,} template tokens (tags, names, operators): use fewer"
+            if (kind == "integer" or kind == "float") and len(value) > MAX_LITERAL:
+                return f"a number in the template is longer than {MAX_LITERAL:,} characters"
     except jinja2.TemplateSyntaxError:
         pass
-    return True
+    return None
 
 
 def compile_template(
@@ -704,11 +714,9 @@ def compile_template(
 ) -> CompiledTemplate:
     """Compile ``source``; raise TemplateError naming ``field`` on a syntax error or unknown variable."""
     env = _HTML if html else _TEXT
-    if not _within_tokens(env, source):
-        raise TemplateError(
-            f"{field}: the template has more than {MAX_TOKENS:,} template tokens (tags, names, operators); "
-            "use fewer tags"
-        )
+    problem = _token_problem(env, source)
+    if problem is not None:
+        raise TemplateError(f"{field}: {problem}")
     try:
         parsed = env.parse(source)
         variables = frozenset(meta.find_undeclared_variables(parsed))
@@ -770,13 +778,18 @@ def inline_css(html: str) -> str:
     template uses, the original is kept."""
     import css_inline
 
-    if "<style" not in html.lower() or not _within_tokens(_HTML, html):  # too many: compiling refuses it
+    if "<style" not in html.lower() or _token_problem(_HTML, html) is not None:  # compiling refuses it
         return html
     # Never fetch: a <link rel=stylesheet> pointing anywhere must not make sendonce download it.
     inliner = css_inline.CSSInliner(load_remote_stylesheets=False)
     try:
         inlined = str(inliner.inline(html))
     except Exception:  # css-inline refuses some inputs (an unreachable stylesheet...): keep the HTML
+        return html
+    # A rule with template tags is copied into every element it matches: 40 KB of source became
+    # 2.2 MB and 250,000 tokens, whose parse took 9 s. Such a result (or one larger than a message
+    # can be) is not used; the HTML is sent as it was written.
+    if len(inlined) > MAX_OUTPUT or _token_problem(_HTML, inlined) is not None:
         return html
     try:
         before = meta.find_undeclared_variables(_HTML.parse(html))
@@ -793,7 +806,7 @@ def attribute_keys(*sources: str | None) -> set[str]:
 
     keys: set[str] = set()
     for source in sources:
-        if not source or not _within_tokens(_TEXT, source):  # too many: compiling refuses it
+        if not source or _token_problem(_TEXT, source) is not None:  # compiling refuses it
             continue
         try:
             tree = _TEXT.parse(source)

@@ -216,18 +216,21 @@ async def pause_for_refused_sender(conn: Conn, account_id: int, campaign_id: int
 
 
 async def _pause(conn: Conn, account_id: int, campaign_id: int, detail: dict[str, Any]) -> dict[str, Any] | None:
-    paused = await _one(
-        conn,
-        "pause_campaign_with_reason",
-        {"account_id": account_id, "campaign_id": campaign_id, "reason": detail["reason"]},
-    )
-    if paused is None:  # someone else paused (or finished) it first
-        return None
-    return await alerts.raise_alert(
-        conn,
-        account_id,
-        "campaign_paused",
-        f"campaign:{campaign_id}",
-        str(time.time_ns()),
-        {"campaign_id": campaign_id, **detail},
-    )
+    # The pause and its alert together: a pause committed alone would leave the campaign paused
+    # with no alert, and a retry finds it no longer 'sending'.
+    async with conn.transaction():
+        paused = await _one(
+            conn,
+            "pause_campaign_with_reason",
+            {"account_id": account_id, "campaign_id": campaign_id, "reason": detail["reason"]},
+        )
+        if paused is None:  # someone else paused (or finished) it first
+            return None
+        return await alerts.raise_alert(
+            conn,
+            account_id,
+            "campaign_paused",
+            f"campaign:{campaign_id}",
+            str(time.time_ns()),
+            {"campaign_id": campaign_id, **detail},
+        )

@@ -142,9 +142,10 @@ async def preview(template_id: TemplateId, body: PreviewIn, account: CurrentAcco
         campaign_name="(preview)",
         unsubscribe_url="https://example.com/u/preview",
     )
-    text = row["text_body"] if row["text_body"] is not None else html_to_text(row["html_body"])
 
     def render() -> dict[str, Any]:  # off the event loop: a template is an account's code
+        # the text part made from the HTML too (seconds for the largest HTML the API takes)
+        text = row["text_body"] if row["text_body"] is not None else html_to_text(row["html_body"])
         subject, text_t, html_t = compile_campaign(subject=row["subject"], text=text, html=row["html_body"])
         return {
             "subject": subject.render(context),

@@ -1014,7 +1014,7 @@ UPDATE sendonce.subscribers
  WHERE account_id = %(account_id)s AND email_key = %(email_key)s AND status IN ('pending', 'confirmed');
 
 -- campaign_feedback --
--- A campaign's bounce and complaint counts against what it attempted, with its limits.
+-- A sending campaign's bounce and complaint counts against what it attempted, with its limits.
 SELECT c.status,
        coalesce(c.max_bounce_rate, %(default_bounce_rate)s) AS max_bounce_rate,
        coalesce(c.max_complaint_rate, %(default_complaint_rate)s) AS max_complaint_rate,
@@ -1028,7 +1028,10 @@ SELECT c.status,
          WHERE d.account_id = c.account_id AND d.campaign_id = c.campaign_id
            AND d.feedback = 'complaint') AS complaints
   FROM sendonce.campaigns c
- WHERE c.account_id = %(account_id)s AND c.campaign_id = %(campaign_id)s;
+ WHERE c.account_id = %(account_id)s AND c.campaign_id = %(campaign_id)s
+   -- only a sending campaign can be paused: a finished one's rows are not counted (a provider's
+   -- replays of old events check it again, and its counts read every row of the campaign)
+   AND c.status = 'sending';
 
 -- pause_campaign_with_reason --
 -- CAS sending -> paused by a worker, saying why: its bounce or complaint rate passed its limit, the
