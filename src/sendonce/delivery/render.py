@@ -553,8 +553,28 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return _built(super().call(context, obj, *args, **kwargs))
 
 
-_TEXT = _Sandbox(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True)
-_HTML = _Sandbox(undefined=jinja2.StrictUndefined, autoescape=True, keep_trailing_newline=True)
+# Not optimized: Jinja's optimizer folds constants while it compiles, trying again at every node
+# of every subexpression, so its work grows with the cube of an expression's depth: 390 tokens of
+# "(email)-1-1-1…" took 2.9 s, ten of them 31 s. It would also compute on constants where no
+# limit of the sandbox is checked. What it saves at a render is nothing a mail needs.
+_TEXT = _Sandbox(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True, optimized=False)
+_HTML = _Sandbox(undefined=jinja2.StrictUndefined, autoescape=True, keep_trailing_newline=True, optimized=False)
+
+
+class _Variables(meta.TrackingCodeGenerator):
+    """:func:`jinja2.meta.find_undeclared_variables` without the optimizer, which that function
+    always runs, whatever the environment's setting (see above)."""
+
+    def __init__(self, environment: jinja2.Environment) -> None:
+        super().__init__(environment)
+        self.optimizer = None
+
+
+def _undeclared(parsed: nodes.Template) -> frozenset[str]:
+    """The variables a parsed template reads from its context."""
+    codegen = _Variables(parsed.environment)  # type: ignore[arg-type]
+    codegen.visit(parsed)
+    return frozenset(codegen.undeclared_identifiers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -719,7 +739,7 @@ def compile_template(
         raise TemplateError(f"{field}: {problem}")
     try:
         parsed = env.parse(source)
-        variables = frozenset(meta.find_undeclared_variables(parsed))
+        variables = _undeclared(parsed)
         template = env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise TemplateError(f"{field}: template syntax error on line {exc.lineno}: {exc.message}") from None
@@ -744,32 +764,53 @@ def compile_template(
     return CompiledTemplate(source, variables, template, None, dict(template.globals), plan)
 
 
-_INDENTING = re.compile(r"<(/?)(?:ul|ol|dl|blockquote)\b", re.IGNORECASE)
 MAX_INDENT = 50
 """Deepest nesting of lists and quotes an HTML part may have for a text part to be made from it:
 html2text indents each line by its depth, so its text grows with the square of the nesting (96 KB
-of nested lists made 144 MB of text in 27 s, which was then compiled as a template)."""
+of nested lists made 144 MB of text in 27 s, which was then compiled as a template). Counted from
+the parser's own tags: a count of the source's ``</ul>`` was fooled by one in a comment or an
+attribute (296 KB made 64 MB in 15 s)."""
+_INDENTING = frozenset({"ul", "ol", "dl", "blockquote"})
+
+
+class _TooMuchText(Exception):
+    pass
 
 
 def html_to_text(html: str) -> str:
     """A readable text part from an HTML template (links kept as ``[text](url)``); template tags survive."""
     import html2text
 
-    depth = deepest = 0
-    for tag in _INDENTING.finditer(html):
-        depth = max(depth - 1, 0) if tag[1] else depth + 1
-        deepest = max(deepest, depth)
-    if deepest > MAX_INDENT:
-        raise TemplateError(
-            f"html: lists or quotes nested {deepest} deep (at most {MAX_INDENT} to make a text part from it): "
-            "give a text part"
-        )
+    class Converter(html2text.HTML2Text):
+        depth = 0
+        size = 0
 
-    converter = html2text.HTML2Text()
+        def handle_tag(self, tag: str, attrs: dict[str, str | None], start: bool) -> None:
+            if tag in _INDENTING:
+                self.depth = self.depth + 1 if start else max(self.depth - 1, 0)
+                if self.depth > MAX_INDENT:
+                    raise _TooMuchText(
+                        f"html: lists or quotes nested more than {MAX_INDENT} deep (to make a text part from it): "
+                        "give a text part"
+                    )
+            super().handle_tag(tag, attrs, start)
+
+        def outtextf(self, s: str) -> None:  # every piece of the text, as it is made
+            self.size += len(s)
+            if self.size > MAX_OUTPUT:
+                raise _TooMuchText(
+                    f"html: the text part made from it would be longer than {MAX_OUTPUT:,} characters: give a text part"
+                )
+            super().outtextf(s)
+
+    converter = Converter()
     converter.body_width = 0
     converter.ignore_images = True
     converter.unicode_snob = True
-    return str(converter.handle(html)).strip() + "\n"
+    try:
+        return str(converter.handle(html)).strip() + "\n"
+    except _TooMuchText as exc:
+        raise TemplateError(str(exc)) from None
 
 
 def inline_css(html: str) -> str:
@@ -792,8 +833,8 @@ def inline_css(html: str) -> str:
     if len(inlined) > MAX_OUTPUT or _token_problem(_HTML, inlined) is not None:
         return html
     try:
-        before = meta.find_undeclared_variables(_HTML.parse(html))
-        after = meta.find_undeclared_variables(_HTML.parse(inlined))
+        before = _undeclared(_HTML.parse(html))
+        after = _undeclared(_HTML.parse(inlined))
     except (jinja2.TemplateSyntaxError, RecursionError):
         return html
     return inlined if before == after else html
