@@ -705,6 +705,10 @@ def plain_value(context: Mapping[str, Any], path: tuple[str, ...]) -> str | int 
     return value  # type: ignore[no-any-return]
 
 
+MAX_LOOP_NESTING = 10
+"""Deepest nesting of ``{% for %}`` loops. Jinja walks a loop's whole body for each loop, so compiling
+grows with the cube of the nesting: 240 nested loops in 23 KB took 37 s before CPython refused them
+(it takes at most 20 nested blocks)."""
 MAX_LITERAL = 3_100
 """Longest number a template may write, in characters (MAX_BITS is about 3,011 decimal digits).
 Jinja reads ``0x…`` without Python's 4,300-digit limit for decimals, and folds some operators on
@@ -716,10 +720,21 @@ def _token_problem(env: jinja2.Environment, source: str) -> str | None:
     """Why ``source`` is too big to parse (more than MAX_TOKENS tokens, counted by Jinja's own lexer
     up to the limit, or a number longer than MAX_LITERAL), or None. A lexing error is not a problem
     here: the parse reports it, with its line, after fewer tokens than counted here."""
-    count = 0
+    count = loops = 0
+    tag = False  # the token before was a tag's opening ({%), bar whitespace
     try:
         for _, kind, value in env.lexer.tokeniter(source, None):
             count += 1
+            if kind == "whitespace":
+                continue
+            if tag and kind == "name":
+                if value == "for":
+                    loops += 1
+                    if loops > MAX_LOOP_NESTING:
+                        return f"the template nests loops more than {MAX_LOOP_NESTING} deep"
+                elif value == "endfor":
+                    loops = max(loops - 1, 0)
+            tag = kind == "block_begin"
             if count > MAX_TOKENS:
                 return f"the template has more than {MAX_TOKENS:,} template tokens (tags, names, operators): use fewer"
             if (kind == "integer" or kind == "float") and len(value) > MAX_LITERAL:
@@ -785,15 +800,29 @@ def html_to_text(html: str) -> str:
         depth = 0
         size = 0
 
+        work = 0
+
         def handle_tag(self, tag: str, attrs: dict[str, str | None], start: bool) -> None:
+            if tag == "abbr":
+                # an <abbr title> left open gathers every later piece of text with +=: quadratic
+                # (80 KB took 16.5 s); without it, only the *[abbr]: footnotes are missing
+                return
             if tag in _INDENTING:
                 self.depth = self.depth + 1 if start else max(self.depth - 1, 0)
-                if self.depth > MAX_INDENT:
-                    raise _TooMuchText(
-                        f"html: lists or quotes nested more than {MAX_INDENT} deep (to make a text part from it): "
-                        "give a text part"
-                    )
             super().handle_tag(tag, attrs, start)
+            # html2text's own depths too: "</dl>" closes none of its lists (1,000-deep lists in 9 KB)
+            if max(self.depth, len(self.list), self.blockquote) > MAX_INDENT:
+                raise _TooMuchText(
+                    f"html: lists or quotes nested more than {MAX_INDENT} deep (to make a text part from it): "
+                    "give a text part"
+                )
+
+        def o(self, data: str, puredata: bool = False, force: bool | str = False) -> None:
+            # every piece, written or dropped (inside <head> nothing is written, work is still done)
+            self.work += len(data)
+            if self.work > MAX_WORK:
+                raise _TooMuchText("html: making a text part from it takes too much work: give a text part")
+            super().o(data, puredata, force)
 
         def outtextf(self, s: str) -> None:  # every piece of the text, as it is made
             self.size += len(s)
