@@ -706,9 +706,10 @@ def plain_value(context: Mapping[str, Any], path: tuple[str, ...]) -> str | int 
 
 
 MAX_LOOP_NESTING = 10
-"""Deepest nesting of ``{% for %}`` loops. Jinja walks a loop's whole body for each loop, so compiling
-grows with the cube of the nesting: 240 nested loops in 23 KB took 37 s before CPython refused them
-(it takes at most 20 nested blocks)."""
+"""Deepest nesting of ``{% for %}``, ``{% macro %}`` and ``{% call %}`` blocks, together. Jinja walks
+such a block's whole body for each of them, so compiling grows with the cube of the nesting: 240
+nested loops in 23 KB took 37 s before CPython refused them (it takes at most 20 nested blocks), 97
+nested macros in 24 KB 6.8 s."""
 MAX_LITERAL = 3_100
 """Longest number a template may write, in characters (MAX_BITS is about 3,011 decimal digits).
 Jinja reads ``0x…`` without Python's 4,300-digit limit for decimals, and folds some operators on
@@ -716,10 +717,19 @@ constants while it compiles, where no limit is checked: ``0xff…f // 0xee…e``
 tokens, took 40 s of CPU in the API."""
 
 
+_SCOPES = frozenset({"for", "macro", "call"})
+_SCOPE_ENDS = frozenset({"endfor", "endmacro", "endcall"})
+_LONG_NUMBER = re.compile(rf"[0-9_]{{{MAX_LITERAL + 1},}}|0[xXoObB][0-9a-fA-F_]{{{MAX_LITERAL},}}")
+"""Looked for before the lexer, whose number pattern takes hundreds of MB on a 2 MB run of digits."""
+
+
 def _token_problem(env: jinja2.Environment, source: str) -> str | None:
     """Why ``source`` is too big to parse (more than MAX_TOKENS tokens, counted by Jinja's own lexer
     up to the limit, or a number longer than MAX_LITERAL), or None. A lexing error is not a problem
     here: the parse reports it, with its line, after fewer tokens than counted here."""
+    long_number = _LONG_NUMBER.search(source)
+    if long_number is not None:
+        return f"a number in the template is longer than {MAX_LITERAL:,} characters"
     count = loops = 0
     tag = False  # the token before was a tag's opening ({%), bar whitespace
     try:
@@ -728,11 +738,11 @@ def _token_problem(env: jinja2.Environment, source: str) -> str | None:
             if kind == "whitespace":
                 continue
             if tag and kind == "name":
-                if value == "for":
+                if value in _SCOPES:
                     loops += 1
                     if loops > MAX_LOOP_NESTING:
-                        return f"the template nests loops more than {MAX_LOOP_NESTING} deep"
-                elif value == "endfor":
+                        return f"the template nests loops, macros or calls more than {MAX_LOOP_NESTING} deep"
+                elif value in _SCOPE_ENDS:
                     loops = max(loops - 1, 0)
             tag = kind == "block_begin"
             if count > MAX_TOKENS:
@@ -788,6 +798,16 @@ attribute (296 KB made 64 MB in 15 s)."""
 _INDENTING = frozenset({"ul", "ol", "dl", "blockquote"})
 
 
+_WS_RUN = re.compile(r"\s{3,}")
+
+
+def _short_run(match: re.Match[str]) -> str:
+    """A run of whitespace as html2text sees it in the end: its first and last characters (which it
+    looks at), a line end between if it had one (a line start, which its escaping looks at)."""
+    run = match[0]
+    return run[0] + ("\n" if "\n" in run[1:-1] else "") + run[-1]
+
+
 class _TooMuchText(Exception):
     pass
 
@@ -807,6 +827,7 @@ def html_to_text(html: str) -> str:
                 # an <abbr title> left open gathers every later piece of text with +=: quadratic
                 # (80 KB took 16.5 s); without it, only the *[abbr]: footnotes are missing
                 return
+            self._clock()
             if tag in _INDENTING:
                 self.depth = self.depth + 1 if start else max(self.depth - 1, 0)
             super().handle_tag(tag, attrs, start)
@@ -816,6 +837,19 @@ def html_to_text(html: str) -> str:
                     f"html: lists or quotes nested more than {MAX_INDENT} deep (to make a text part from it): "
                     "give a text part"
                 )
+
+        deadline = time.thread_time() + 2.0
+
+        def _clock(self) -> None:
+            if time.thread_time() > self.deadline:
+                raise _TooMuchText("html: making a text part from it takes too long: give a text part")
+
+        def handle_data(self, data: str, entity_char: bool = False) -> None:
+            self._clock()
+            if not self.pre and not self.code:
+                # html2text collapses whitespace outside <pre> anyway; its ^(\s*) regexes are quadratic on it
+                data = _WS_RUN.sub(_short_run, data)
+            super().handle_data(data, entity_char)
 
         def o(self, data: str, puredata: bool = False, force: bool | str = False) -> None:
             # every piece, written or dropped (inside <head> nothing is written, work is still done)
@@ -840,6 +874,14 @@ def html_to_text(html: str) -> str:
         return str(converter.handle(html)).strip() + "\n"
     except _TooMuchText as exc:
         raise TemplateError(str(exc)) from None
+    except (ValueError, OverflowError, RecursionError) as exc:  # &#<5,000 digits>; in html.parser
+        raise TemplateError(
+            f"html: a text part cannot be made from it ({type(exc).__name__}): give a text part"
+        ) from None
+
+
+_STYLE = re.compile(r"<style[^>]*>(.*?)(?:</style|$)", re.I | re.S)
+_ELEMENT = re.compile(r"<[A-Za-z]")
 
 
 def inline_css(html: str) -> str:
@@ -850,6 +892,11 @@ def inline_css(html: str) -> str:
 
     if "<style" not in html.lower() or _token_problem(_HTML, html) is not None:  # compiling refuses it
         return html
+    css = "".join(_STYLE.findall(html))
+    declarations, selectors = css.count(":") + 1, css.count(",") + css.count("{") + 1
+    elements = len(_ELEMENT.findall(html)) + 1
+    if selectors * elements > 20_000_000 or declarations * declarations * elements > 300_000_000:
+        return html  # css-inline matches every selector at every element and merges declarations quadratically
     # Never fetch: a <link rel=stylesheet> pointing anywhere must not make sendonce download it.
     inliner = css_inline.CSSInliner(load_remote_stylesheets=False)
     try:
