@@ -387,6 +387,10 @@ def test_a_template_with_too_many_tokens_is_refused_before_it_is_parsed() -> Non
     for source in ("{{ x }}\n" * (tags + 10), "{{ " + " ~ ".join(["x"] * render.MAX_TOKENS) + " }}"):
         with pytest.raises(TemplateError, match=r"^html: the template has more than 20,000 template tokens"):
             compile_campaign(subject="s", text="t", html=f"<style>p {{color: red}}</style>{source}")
+    # a long run of digits anywhere (after a letter too), but not many runs short of the limit
+    with pytest.raises(TemplateError, match="longer than 3,100 characters"):
+        compile_template("id a" + "1" * 3101)
+    assert compile_template(("1" * 3100 + "a") * 20).variables == frozenset()
     # a large text with few tags is a few tokens
     assert compile_template("lorem ipsum " * 100_000 + "{{ x }}", allowed=["x"]).variables == {"x"}
     # CSS inlining copies a rule's tags into every element it matches (40 KB became 250,000 tokens,
