@@ -12,6 +12,11 @@ runs the request afresh.
 
 Only successful (2xx) answers are stored: an error rolls the whole transaction back, reservation
 included, so the client may retry with the same key after fixing the request.
+
+A route may say when its stored answer no longer holds (``still_holds``): a signup's "queued" for a mail
+that then certainly reached nobody. The request is then run again under the same key, and its new
+answer replaces the old; replaying would tell a client that retries as told "queued" for ever, and
+send nothing.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ async def idempotent(
     on_replay: Callable[[], None] | None = None,
     seal: Callable[[bytes], str] | None = None,
     unseal: Callable[[str], bytes] | None = None,
+    still_holds: Callable[[bytes], Awaitable[bool]] | None = None,
 ) -> Response:
     """Run ``handler`` once per (scope, Idempotency-Key); without the header, just run it."""
     keys = request.headers.getlist(HEADER)
@@ -102,8 +108,6 @@ async def idempotent(
                         kind="idempotency-key-reused",
                         title="Idempotency-Key reused",
                     )
-                if on_replay is not None:
-                    on_replay()
                 body = stored["response_body"]
                 if unseal is not None:
                     try:
@@ -117,12 +121,18 @@ async def idempotent(
                             kind="idempotency-answer-unreadable",
                             title="Stored answer unreadable",
                         ) from None
-                return Response(
-                    body,
-                    status_code=stored["response_status"],
-                    media_type="application/json",
-                    headers={"Idempotent-Replayed": "true"},
-                )
+                raw = body if isinstance(body, bytes) else body.encode()
+                if still_holds is None or await still_holds(raw):
+                    if on_replay is not None:
+                        on_replay()
+                    return Response(
+                        raw,
+                        status_code=stored["response_status"],
+                        media_type="application/json",
+                        headers={"Idempotent-Replayed": "true"},
+                    )
+                # the stored answer is out of date: the request runs again, and its answer is stored
+                # over the old one (the key's row stays locked by this transaction meanwhile)
             await conn.execute("SET LOCAL lock_timeout = 0")
             response = await handler()
             if not 200 <= response.status_code < 300:

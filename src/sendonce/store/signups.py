@@ -8,6 +8,7 @@ worker sends it. A repeat within the window gets the first request's answer and 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +88,20 @@ def _verified(signup_id: int) -> dict[str, Any]:
 
 async def _one(conn: Conn, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
     return await (await conn.execute(query(name), params)).fetchone()
+
+
+async def answer_outdated(conn: Conn, account_id: int, answer: bytes) -> bool:
+    """Whether a stored answer to a signup request no longer holds: it said "queued", and the mail it
+    queued has since certainly reached nobody, so a retry must queue another (see signup_mail_dead)."""
+    try:
+        stored = json.loads(answer)
+        signup_id = int(stored["signup_id"])
+    except (ValueError, TypeError, KeyError):
+        return False  # not an answer of this route's shape: replayed as it is
+    if stored.get("verification") != "queued":
+        return False
+    row = await _one(conn, "signup_mail_dead", {"account_id": account_id, "signup_id": signup_id})
+    return bool(row and row["dead"])
 
 
 async def request_signup(

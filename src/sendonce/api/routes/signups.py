@@ -21,6 +21,7 @@ from sendonce.store.signups import (
     AddressSuppressed,
     RateLimited,
     UnknownSignup,
+    answer_outdated,
     request_signup,
     verify_signup,
 )
@@ -135,7 +136,12 @@ async def create_signup(body: SignupIn, request: Request, account: CurrentAccoun
         services.metrics.signups.labels("repeat").inc()
         services.metrics.repeat(account.account_id, client, "idempotency_key")
 
-    response = await idempotent(request, conn, account.account_id, run, on_replay=replayed)
+    async def still_holds(answer: bytes) -> bool:
+        # a stored "queued" whose mail then certainly failed is not replayed: the retry queues another,
+        # as one without the key would, instead of being told "queued" for a mail that is dead
+        return not await answer_outdated(conn, account.account_id, answer)
+
+    response = await idempotent(request, conn, account.account_id, run, on_replay=replayed, still_holds=still_holds)
     services.faults.hit("api_after_commit")
     if services.detector is not None:
         flags = services.detector.observe_signup(account.account_id, address.key, client)

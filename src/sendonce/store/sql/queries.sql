@@ -711,6 +711,20 @@ SELECT w.operation_key, w.answer,
  LIMIT 1
    FOR UPDATE OF w;
 
+-- signup_mail_dead --
+-- Whether a pending signup's latest window ended with its mail certainly reaching nobody (failed or
+-- suppressed, and no attempt that the transport may have taken): a client's retry of its request under
+-- the same Idempotency-Key is then run again, as a retry without the key would be (open_window), rather
+-- than answered the stored "queued" for a mail that is dead. No row: no such signup, or no window.
+SELECT s.status = 'pending' AND sendonce.window_mail_dead(w.account_id, w.window_id, w.generation) AS dead
+  FROM sendonce.signups s
+  JOIN LATERAL (SELECT l.account_id, l.window_id, l.generation
+                  FROM sendonce.signup_windows l
+                 WHERE l.account_id = s.account_id AND l.signup_id = s.signup_id
+                 ORDER BY l.opened_at DESC
+                 LIMIT 1) w ON true
+ WHERE s.account_id = %(account_id)s AND s.signup_id = %(signup_id)s;
+
 -- open_window --
 -- Open the operation's first window, or a new one if the last has run out (from its first request),
 -- or if the last window's mail certainly reached nobody: it ended failed or suppressed, and no attempt
