@@ -13,8 +13,10 @@ from typing import Any
 
 import httpx
 import psycopg
+import psycopg.sql
 import pytest
 from prometheus_client import CollectorRegistry
+from psycopg.rows import dict_row
 
 from sendonce.chaos.harness import within_victims_lease
 from sendonce.chaos.processes import death_note
@@ -25,7 +27,7 @@ from sendonce.delivery.worker import Held, Worker, WorkerConfig, _Lane, _Result
 from sendonce.faults import DEATH_NOTE
 from sendonce.outbox import enqueue_async
 from sendonce.store import alerts, campaigns, outbox
-from sendonce.store.database import Conn, connect
+from sendonce.store.database import Conn, connect, create_pool
 from sendonce.store.rate_limits import Rate
 from sendonce.testing.inbox import Inbox, InboxFaults
 from sendonce.testing.resend_server import ResendFaults, ResendServer
@@ -1079,23 +1081,63 @@ async def test_the_recorder_plans_its_statement_once_not_for_every_group(databas
     assert plans["custom_plans"] == 0 and plans["generic_plans"] > 0, plans
 
 
-@pytest.mark.parametrize("durable", [True, False])
-async def test_fast_records_change_only_the_recorders_commit(database_url: str, durable: bool) -> None:
-    # --fast-records: the recorder's commits return before the disk flush; by default they wait for it.
-    config = WorkerConfig(**FAST, durable_records=durable)
-    worker = Worker(database_url, transport_from_url("smtp://127.0.0.1:9"), config, composer=composer())
-    lane = worker._recorder_lane()
-    try:
-        cursor = await (await lane.get()).execute(
-            "SELECT name, setting, source FROM pg_settings WHERE name IN ('synchronous_commit', 'plan_cache_mode')"
+@pytest.mark.parametrize("database_default", ["off", "remote_apply"])
+async def test_commits_are_durable_whatever_the_database_default_and_fast_records_change_only_the_recorders(
+    database_url: str, database_default: str
+) -> None:
+    # A database's (or role's) synchronous_commit = off let a claim's commit return before its flush:
+    # a crash of PostgreSQL then forgot the claim after the relay took the message, and the row went
+    # out again as a fresh attempt with no ledger entry. Every sendonce session raises off to on and
+    # keeps any other choice of the operator's; --fast-records turns it off for the recorders alone.
+    name = psycopg.conninfo.conninfo_to_dict(database_url)["dbname"]
+    async with await connect(database_url) as conn:
+        await conn.execute(
+            psycopg.sql.SQL("ALTER DATABASE {} SET synchronous_commit = {}").format(
+                psycopg.sql.Identifier(str(name)), psycopg.sql.Literal(database_default)
+            )
         )
-        settings = {row["name"]: (row["setting"], row["source"]) for row in await cursor.fetchall()}
+    durable_setting = "on" if database_default == "off" else database_default
+
+    async def setting(conn: Conn) -> str:
+        cursor = await conn.execute("SELECT current_setting('synchronous_commit') AS s")
+        row = await cursor.fetchone()
+        assert row is not None
+        return str(row["s"])
+
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True, row_factory=dict_row) as plain:
+        assert await setting(plain) == database_default  # what a session gets without sendonce's setup
+    seen: dict[str, str] = {}
+    for durable in (True, False):
+        worker = Worker(
+            database_url,
+            transport_from_url("smtp://127.0.0.1:9"),
+            WorkerConfig(**FAST, durable_records=durable),
+            composer=composer(),
+        )
+        for role, lane in (("claimer", _Lane(database_url)), ("recorder", worker._recorder_lane())):
+            try:
+                conn = await lane.get()
+                seen[f"{role}, durable={durable}"] = await setting(conn)
+                cursor = await conn.execute("SELECT current_setting('plan_cache_mode') AS s")
+                plans = await cursor.fetchone()
+                assert plans is not None
+                assert role == "claimer" or plans["s"] == "force_generic_plan"
+            finally:
+                await lane.reset()
+    pool = create_pool(database_url, min_size=1, max_size=1)  # the API's
+    await pool.open(wait=True)
+    try:
+        async with pool.connection() as conn:
+            seen["api pool"] = await setting(conn)
     finally:
-        await lane.reset()
-    assert settings["plan_cache_mode"] == ("force_generic_plan", "session")
-    # durable: whatever the server says (the test server's own default may be off)
-    assert (settings["synchronous_commit"][1] == "session") is not durable
-    assert durable or settings["synchronous_commit"][0] == "off"
+        await pool.close()
+    assert seen == {
+        "claimer, durable=True": durable_setting,
+        "recorder, durable=True": durable_setting,
+        "claimer, durable=False": durable_setting,
+        "recorder, durable=False": "off",
+        "api pool": durable_setting,
+    }
 
 
 async def test_rows_claimed_before_the_connection_was_lost_are_given_back_not_left_to_their_lease(

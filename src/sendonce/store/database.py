@@ -58,8 +58,18 @@ def is_unavailable(exc: BaseException) -> bool:
 # And UTC: times are read back in the session's time zone, and a time the API accepted (converted to
 # UTC, years 1 to 9999) may not exist in another zone: 9999-12-31 20:00 UTC is year 10000 in Tokyo, which
 # PostgreSQL stores and psycopg cannot read, after the write has committed.
+#
+# And durable commits: a database's or role's `synchronous_commit = off` (a common speed setting) let a
+# claim's commit return before its flush. A crash of PostgreSQL then forgot the claim after the relay
+# had taken the message, and the row went out again as a fresh attempt, not uncertain, with no ledger
+# entry (a review found it); an API answer of "queued" could name a mail that the crash then forgot.
+# `off` is raised to `on`; any other value (`local`, `remote_write`, `remote_apply`) is the operator's
+# and kept. The worker's `--fast-records` turns it off for its recorders' sessions alone, after this.
 _SESSION_SETUP = (
-    b"SELECT set_config('default_transaction_isolation', 'read committed', false), set_config('timezone', 'UTC', false)"
+    b"SELECT set_config('default_transaction_isolation', 'read committed', false), set_config('timezone', 'UTC', false),"
+    b" set_config('synchronous_commit',"
+    b" CASE current_setting('synchronous_commit') WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END,"
+    b" false)"
 )
 
 
