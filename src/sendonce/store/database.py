@@ -66,7 +66,8 @@ def is_unavailable(exc: BaseException) -> bool:
 # `off` is raised to `on`; any other value (`local`, `remote_write`, `remote_apply`) is the operator's
 # and kept. The worker's `--fast-records` turns it off for its recorders' sessions alone, after this.
 _SESSION_SETUP = (
-    b"SELECT set_config('default_transaction_isolation', 'read committed', false), set_config('timezone', 'UTC', false),"
+    b"SELECT set_config('default_transaction_isolation', 'read committed', false),"
+    b" set_config('timezone', 'UTC', false),"
     b" set_config('synchronous_commit',"
     b" CASE current_setting('synchronous_commit') WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END,"
     b" false)"
