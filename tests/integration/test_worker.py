@@ -24,9 +24,11 @@ from sendonce.chaos.sinks import SmtpSink
 from sendonce.delivery import worker as worker_module
 from sendonce.delivery.metrics import WorkerCollector
 from sendonce.delivery.worker import Held, Worker, WorkerConfig, _Lane, _Result
+from sendonce.domain.addresses import parse_address
+from sendonce.domain.states import SuppressionReason
 from sendonce.faults import DEATH_NOTE
 from sendonce.outbox import enqueue_async
-from sendonce.store import alerts, campaigns, outbox
+from sendonce.store import alerts, campaigns, outbox, suppressions, unsubscribes
 from sendonce.store.database import Conn, connect, create_pool
 from sendonce.store.rate_limits import Rate
 from sendonce.testing.inbox import Inbox, InboxFaults
@@ -629,9 +631,11 @@ async def test_the_metrics_say_where_a_workers_time_goes(database_url: str, tran
         assert metric("record_waits_total") == metric("record_wait_seconds_total") == 0
 
 
-async def _paused_by_a_rate_limit(database_url: str, provider: ResendServer, backoff: float) -> tuple[Worker, Any]:
+async def _paused_by_a_rate_limit(
+    database_url: str, provider: ResendServer, backoff: float, lease: float = 5.0
+) -> tuple[Worker, Any]:
     """A worker (one lane) whose first request met a 429: its lane is pausing, holding a row."""
-    config = WorkerConfig(concurrency=1, batch_size=5, tick=0.2, lease=5.0, backoff_base=backoff, backoff_cap=backoff)
+    config = WorkerConfig(concurrency=1, batch_size=5, tick=0.2, lease=lease, backoff_base=backoff, backoff_cap=backoff)
     worker = Worker(database_url, transport_from_url(provider.url), config, composer=composer())
     task = asyncio.create_task(worker.run())
     async with asyncio.timeout(30):
@@ -658,6 +662,43 @@ async def test_a_campaign_paused_while_the_lanes_wait_out_an_outage_is_not_sent(
         assert provider.accepted == []
     _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
     assert (counts.sent, counts.sending, counts.queued) == (0, 0, 10)
+
+
+async def test_an_opt_out_while_the_lanes_wait_out_an_outage_is_honoured(database_url: str) -> None:
+    # Rows a worker holds through an outage are renewed, not claimed again, so the claim's opt-out
+    # check never saw them again: recipients who were suppressed or left the list meanwhile got the
+    # campaign once the transport answered (a review found it). The renewal now makes the claim's
+    # check too, and what has not started is given back; its re-claim settles it.
+    addresses = emails(10)
+    setup = await campaign_setup(database_url, addresses)
+    with ResendServer(faults=ResendFaults(rate_limited=1.0)) as provider:
+        # a pause of 4-12 s; a renewal every second
+        worker, task = await _paused_by_a_rate_limit(database_url, provider, backoff=8.0, lease=3.0)
+        assert worker.held_count > 0
+        async with await connect(database_url) as conn:
+            for address in addresses[:5]:
+                await suppressions.add_suppression(
+                    conn, setup.account_id, parse_address(address), SuppressionReason.MANUAL
+                )
+            for address in addresses[5:]:
+                cursor = await conn.execute(
+                    "SELECT subscriber_id FROM sendonce.subscribers WHERE account_id = %s AND email = %s",
+                    (setup.account_id, address),
+                )
+                row = await cursor.fetchone()
+                assert row is not None
+                await unsubscribes.unsubscribe(conn, setup.account_id, row["subscriber_id"], setup.campaign_id)  # type: ignore[arg-type]
+        provider.faults.rate_limited = 0.0
+        async with asyncio.timeout(40):
+            while True:  # every row settled: sent (the hole) or not
+                _, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+                if counts.sending == counts.queued == 0:
+                    break
+                await asyncio.sleep(0.1)
+        worker.stop()
+        await asyncio.wait_for(task, 30)
+        assert provider.accepted == []
+    assert counts.sent == 0
 
 
 async def test_a_stop_does_not_wait_out_an_outage_pause(database_url: str) -> None:

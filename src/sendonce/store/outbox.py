@@ -196,11 +196,12 @@ async def claim_batch(
 @dataclass(frozen=True, slots=True)
 class Renewal:
     renewed: dict[Key, bool]
-    """The rows whose lease was extended: {key: campaign still sending}."""
+    """The rows whose lease was extended: {key: still wanted (its campaign sending, its recipient not
+    opted out or suppressed since the claim)}."""
     busy: dict[Key, bool]
     """Rows still held (same attempt, still 'sending') whose lease was not extended this time because
     another transaction held their lock for a moment: not lost, but their deadline stays as it was.
-    {key: campaign still sending}."""
+    {key: still wanted}."""
 
 
 async def renew_leases(conn: Conn, held: Sequence[Fenced], lease_seconds: float) -> Renewal:
@@ -215,7 +216,7 @@ async def renew_leases(conn: Conn, held: Sequence[Fenced], lease_seconds: float)
     renewed: dict[Key, bool] = {}
     busy: dict[Key, bool] = {}
     for row in await cursor.fetchall():
-        (renewed if row["renewed"] else busy)[(row["account_id"], row["delivery_id"])] = bool(row["campaign_active"])
+        (renewed if row["renewed"] else busy)[(row["account_id"], row["delivery_id"])] = bool(row["wanted"])
     return Renewal(renewed, busy)
 
 

@@ -493,8 +493,11 @@ SELECT account_id, delivery_id, job_id, kind, campaign_id, subscriber_id, email,
 -- claimed keeps its lock until its statement ends, even though it then skips the row), so a skipped
 -- row is not a lost one: the second part answers, without locking, which skipped rows are still
 -- this worker's ('sending', same attempt) and therefore only not renewed this time (renewed =
--- false). A row in neither part is no longer this worker's: it must not be sent. campaign_active is
--- false when its campaign was paused or cancelled, so the worker can release what it has not started.
+-- false). A row in neither part is no longer this worker's: it must not be sent. wanted is false when
+-- its campaign was paused or cancelled, or when its recipient opted out or was suppressed since the
+-- claim (claim_check, the claim's own test), so the worker can give back what it has not started: a
+-- row held through a relay's outage, whose recipient unsubscribed meanwhile, is not sent when the
+-- relay comes back (its re-claim settles it suppressed).
 WITH held AS (
     SELECT * FROM unnest(%(account_ids)b::bigint[], %(delivery_ids)b::bigint[], %(attempts)b::int[])
            AS u(account_id, delivery_id, attempt)
@@ -510,25 +513,22 @@ WITH held AS (
        SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s)
       FROM mine
      WHERE d.account_id = mine.account_id AND d.delivery_id = mine.delivery_id
-    RETURNING d.account_id, d.delivery_id, d.campaign_id
+    RETURNING d.account_id, d.delivery_id
+), answered AS (
+    SELECT r.account_id, r.delivery_id, true AS renewed
+      FROM renewed r
+    UNION ALL
+    SELECT d.account_id, d.delivery_id, false AS renewed
+      FROM sendonce.deliveries d
+      JOIN held u
+        ON d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
+     WHERE d.status = 'sending'
+       AND NOT EXISTS (SELECT 1 FROM renewed r WHERE r.account_id = d.account_id AND r.delivery_id = d.delivery_id)
 )
-SELECT r.account_id, r.delivery_id, true AS renewed,
-       (r.campaign_id IS NULL OR EXISTS (SELECT 1 FROM sendonce.campaigns c
-                                          WHERE c.account_id = r.account_id
-                                            AND c.campaign_id = r.campaign_id
-                                            AND c.status = 'sending')) AS campaign_active
-  FROM renewed r
-UNION ALL
-SELECT d.account_id, d.delivery_id, false AS renewed,
-       (d.campaign_id IS NULL OR EXISTS (SELECT 1 FROM sendonce.campaigns c
-                                          WHERE c.account_id = d.account_id
-                                            AND c.campaign_id = d.campaign_id
-                                            AND c.status = 'sending')) AS campaign_active
-  FROM sendonce.deliveries d
-  JOIN held u
-    ON d.account_id = u.account_id AND d.delivery_id = u.delivery_id AND d.attempt = u.attempt
- WHERE d.status = 'sending'
-   AND NOT EXISTS (SELECT 1 FROM renewed r WHERE r.account_id = d.account_id AND r.delivery_id = d.delivery_id);
+SELECT a.account_id, a.delivery_id, a.renewed, coalesce(k.claimable AND NOT k.blocked, false) AS wanted
+  FROM answered a
+  LEFT JOIN sendonce.claim_check(%(account_ids)b::bigint[], %(delivery_ids)b::bigint[]) k
+    ON k.account_id = a.account_id AND k.delivery_id = a.delivery_id;
 
 -- record_sent --
 -- The transport accepted these messages. Fenced: only the attempt that was claimed can complete
