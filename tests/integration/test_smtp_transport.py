@@ -185,6 +185,26 @@ async def test_an_unclear_end_after_the_content_is_uncertain(pipelining: bool, f
     assert [m.job_id for m in inbox.messages] == ["job-1", "job-2"]
 
 
+async def test_an_answer_to_the_content_whose_lines_disagree_is_uncertain() -> None:
+    # RFC 5321 4.2.1: every line of a reply has the same code. One that does not ("550-" then "250 ")
+    # was read by its last line, as accepted; which line the server meant cannot be told, and the
+    # message may have been taken: an uncertain retry, on a new connection (a review found it).
+    # Pipelined only: without pipelining aiosmtplib reads the replies, and keeps the last line's code
+    # alone (the README says so).
+    pipelining = True
+    faults = InboxFaults(refuse_content=lambda _: "550-5.7.1 rejected as spam\r\n250 2.0.0 queued")
+    with Inbox(faults=faults) as inbox:
+        channel = _channel(inbox, pipelining=pipelining)
+        try:
+            outcome = await channel.send(_message(1), timeout=5)
+            assert isinstance(outcome, Retry) and outcome.uncertain, outcome
+            faults.refuse_content = None
+            assert isinstance(await channel.send(_message(2), timeout=5), Accepted)
+        finally:
+            await channel.close()
+    assert [m.job_id for m in inbox.messages] == ["job-2"]
+
+
 @MODES
 async def test_no_answer_in_time_after_the_content_is_uncertain(pipelining: bool) -> None:
     faults = InboxFaults(slow=1.0, slow_seconds=1.0)
@@ -196,6 +216,26 @@ async def test_no_answer_in_time_after_the_content_is_uncertain(pipelining: bool
             assert "SMTPReadTimeoutError" in outcome.error  # what operators (and the chaos suite) look for
         finally:
             await channel.close()
+
+
+@MODES
+async def test_a_send_cancelled_at_its_gate_leaves_no_transaction_open(pipelining: bool) -> None:
+    # Cancelled while the server waited for the content (after the 354), the channel stayed
+    # connected: the next envelope was written into that content, and the next message met a
+    # timeout, counted against it (a review found it). The connection is closed instead.
+    async def cancelled() -> float | None:
+        raise asyncio.CancelledError
+
+    with Inbox() as inbox:
+        channel = _channel(inbox, pipelining=pipelining, timeout=2.0)
+        try:
+            with pytest.raises(asyncio.CancelledError):
+                await channel.send(_message(1), timeout=2, gate=cancelled)
+            assert channel.connection is None  # closed, not left in the middle of a transaction
+            assert isinstance(await channel.send(_message(2), timeout=2), Accepted)
+        finally:
+            await channel.close()
+    assert [m.job_id for m in inbox.messages] == ["job-2"]
 
 
 @MODES

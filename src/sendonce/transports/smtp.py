@@ -278,6 +278,10 @@ class _Replies(asyncio.Protocol):
             start = end + 1
             if len(line) < 3 or not line[:3].isdigit() or line[3:4] not in (b"", b" ", b"-"):
                 raise aiosmtplib.SMTPResponseException(-1, f"malformed reply line {line[:80]!r}")
+            if lines and line[:3] != buffer[:3]:  # the reply's first line starts the buffer
+                # RFC 5321 4.2.1: each line of a reply has the same code. "550-..." then "250 ..."
+                # cannot be read as either: read as its last line it was "accepted"
+                raise aiosmtplib.SMTPResponseException(-1, f"reply lines with different codes {line[:80]!r}")
             lines.append(line[4:])
             if line[3:4] != b"-":
                 del buffer[:start]
@@ -511,7 +515,7 @@ class SmtpChannel(Channel):
             if gate is not None:
                 # The envelope is on the server; nothing is delivered until DATA. The caller may hold
                 # the message here (its previous one is being recorded) or withdraw it.
-                left = await gate()
+                left = await self._await_gate(gate)
                 if left is None:
                     self._dirty = True  # RSET before the next message
                     return Withheld("withheld before DATA")
@@ -639,7 +643,7 @@ class SmtpChannel(Channel):
             if gate is not None:
                 # The server waits for the content; nothing is delivered before its final dot. The
                 # caller may hold the message here (its previous one is being recorded) or withdraw it.
-                left = await gate()
+                left = await self._await_gate(gate)
                 if left is None:
                     # A DATA in progress cannot be reset: close, and the server drops the transaction.
                     await self.close()
@@ -671,6 +675,16 @@ class SmtpChannel(Channel):
             return Retry(f"{phase}: unexpected {_describe(exc)}", uncertain=content_sent)
         self._last_used = time.monotonic()
         return Accepted(f"{response.code} {response.message}"[:300])
+
+    async def _await_gate(self, gate: Gate) -> float | None:
+        """The caller's gate, awaited while the server holds a transaction open (after RCPT, or
+        after the 354). Cancelled there (or failing), the connection is out of step: it is closed, or
+        the next message's envelope would be written into this one's content."""
+        try:
+            return await gate()
+        except BaseException:
+            await self.close()
+            raise
 
     async def close(self) -> None:
         self._ahead = None
