@@ -201,10 +201,20 @@ def worker(
     concurrency: Annotated[int, typer.Option(min=1, max=1000, help="Parallel transport connections.")] = 10,
     batch_size: Annotated[int, typer.Option(min=1, max=10_000, help="Rows claimed per batch.")] = 20,
     tick: Annotated[
-        float, typer.Option(min=0.01, callback=_finite, help="Seconds between looks when nothing wakes the worker.")
+        float,
+        typer.Option(
+            min=0.01, max=3600.0, callback=_finite, help="Seconds between looks when nothing wakes the worker."
+        ),
     ] = 60.0,
     lease: Annotated[
-        float, typer.Option(min=1.0, callback=_finite, help="Seconds a claim is valid (renewed while held).")
+        float,
+        typer.Option(
+            min=1.0,
+            # a day at most: a killed worker's rows wait this long before another worker takes them
+            max=86_400.0,
+            callback=_finite,
+            help="Seconds a claim is valid (renewed while held); a killed worker's rows wait this long.",
+        ),
     ] = 30.0,
     drain: Annotated[bool, typer.Option("--drain", help="Exit once no work is left.")] = False,
     fast_records: Annotated[
@@ -320,11 +330,14 @@ def api(
     )
 
 
+_BIGINT_MAX = 2**63 - 1  # ids are bigint: a larger one is refused as a flag's bad value, not by PostgreSQL
+
+
 @app.command()
 def duplicates(
-    account: Annotated[int, typer.Option(help="Account id.")],
-    campaign: Annotated[int | None, typer.Option(help="Only this campaign.")] = None,
-    limit: Annotated[int, typer.Option(min=1)] = 100,
+    account: Annotated[int, typer.Option(min=1, max=_BIGINT_MAX, help="Account id.")],
+    campaign: Annotated[int | None, typer.Option(min=1, max=_BIGINT_MAX, help="Only this campaign.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=100_000)] = 100,
 ) -> None:
     """Show the possible-duplicate ledger: re-sends of attempts that may have reached the recipient."""
     from sendonce.store.campaigns import list_possible_duplicates

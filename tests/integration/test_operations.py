@@ -132,8 +132,15 @@ def test_an_archive_that_cannot_be_written_stops_the_prune_before_it_deletes(dat
     assert "No such file or directory" in line and str(archive) in line
 
 
-@pytest.mark.parametrize(("option", "value"), [("--lease", "inf"), ("--tick", "inf")])
-def test_worker_durations_must_be_finite(option: str, value: str, database_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("option", "value"),
+    # 1e300: "timestamp out of range" from PostgreSQL after the list build; 1e9: a killed worker's
+    # rows held for 31 years (a review found both)
+    [("--lease", "inf"), ("--tick", "inf"), ("--lease", "1e300"), ("--lease", "1e9"), ("--tick", "1e300")],
+)
+def test_worker_durations_must_be_finite_and_bounded(
+    option: str, value: str, database_url: str, tmp_path: Path
+) -> None:
     done = sendonce(
         "worker",
         "--no-upgrade",
@@ -145,6 +152,17 @@ def test_worker_durations_must_be_finite(option: str, value: str, database_url: 
     )
     assert done.returncode == 2, done.stderr
     assert f"Invalid value for '{option}'" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [["--account", "99999999999999999999"], ["--account", "1", "--limit", "99999999999999999999"]]
+)
+def test_duplicates_refuses_numbers_out_of_range_as_bad_flags(
+    args: list[str], database_url: str, tmp_path: Path
+) -> None:
+    done = sendonce("duplicates", *args, url=database_url, home=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "Invalid value for '--" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_health_is_503_while_the_schema_is_behind(empty_database_url: str) -> None:
