@@ -213,10 +213,22 @@ async def renew_leases(conn: Conn, held: Sequence[Fenced], lease_seconds: float)
         query("renew_leases"),
         {"lease_seconds": lease_seconds, **_columns(held, "account_id", "delivery_id", "attempt")},
     )
-    renewed: dict[Key, bool] = {}
+    renewed: dict[Key, bool] = {
+        (row["account_id"], row["delivery_id"]): bool(row["campaign_active"]) for row in await cursor.fetchall()
+    }
     busy: dict[Key, bool] = {}
+    skipped = [h for h in held if (h.account_id, h.delivery_id) not in renewed]
+    if skipped:
+        cursor = await conn.execute(query("held_busy"), _columns(skipped, "account_id", "delivery_id", "attempt"))
+        busy = {
+            (row["account_id"], row["delivery_id"]): bool(row["campaign_active"]) for row in await cursor.fetchall()
+        }
+    cursor = await conn.execute(query("held_unwanted"), _columns(held, "account_id", "delivery_id"))
     for row in await cursor.fetchall():
-        (renewed if row["renewed"] else busy)[(row["account_id"], row["delivery_id"])] = bool(row["wanted"])
+        key = (row["account_id"], row["delivery_id"])
+        for answered in (renewed, busy):
+            if key in answered:
+                answered[key] = False
     return Renewal(renewed, busy)
 
 
