@@ -37,9 +37,16 @@ logger = logging.getLogger("sendonce")
 T = TypeVar("T")
 
 
+_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
 def _configure_logging(level: str) -> None:
+    if level.strip().lower() not in _LOG_LEVELS:
+        # getattr(logging, ...) took "basic_format" for a level (a traceback) and "verbose" for info
+        _error(f"SENDONCE_LOG_LEVEL / --log-level must be one of {', '.join(_LOG_LEVELS)}, got {level!r}")
+        raise typer.Exit(2)
     logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
+        level=_LOG_LEVELS[level.strip().lower()],
         format="%(asctime)s %(levelname)-7s %(name)s [%(process)d] %(message)s",
         stream=sys.stderr,
     )
@@ -154,7 +161,7 @@ def _upgrade(url: str, *, wait: float = 30.0) -> list[str]:
 @app.callback()
 def main_callback(
     log_level: Annotated[
-        str, typer.Option("--log-level", envvar="SENDONCE_LOG_LEVEL", help="debug, info, warning")
+        str, typer.Option("--log-level", envvar="SENDONCE_LOG_LEVEL", help="debug, info, warning, error")
     ] = "info",
 ) -> None:
     _configure_logging(log_level)
@@ -189,10 +196,14 @@ def db_stop() -> None:
 
     settings = _settings()
     server = embedded_for_home(settings.home)
-    if not server.running():
-        console.print("the embedded server is not running")
-        return
-    server.stop()
+    try:
+        if not server.running():
+            console.print("the embedded server is not running")
+            return
+        server.stop()
+    except ConfigurationError as exc:
+        _error(str(exc))
+        raise typer.Exit(1) from None
     console.print("stopped")
 
 

@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -29,6 +30,7 @@ from rich.table import Table
 
 from sendonce.domain.addresses import parse_address
 from sendonce.domain.states import SuppressionReason
+from sendonce.errors import ConfigurationError
 from sendonce.runtime import feedback_policy, keyring, send_rates
 from sendonce.settings import Settings
 from sendonce.store import accounts, campaigns, lists, subscribers, suppressions
@@ -64,8 +66,15 @@ def plan_subscribers(total: int) -> Plan:
     return Plan(list_a, list_b, variants, total)
 
 
-def _demo_database(settings: Settings) -> tuple[str, EmbeddedPostgres | None]:
-    """The demo's scratch database; and the embedded server if the demo started it (to stop it after)."""
+# Held (a session's advisory lock, on the server's maintenance database) for the whole demo. Two demos
+# on one server at once dropped each other's database, sent each other's campaign, and the one that
+# had started the embedded server stopped it under the other (a review found it).
+_DEMO_LOCK = 0x53454E444F4E4345  # "SENDONCE"
+
+
+def _demo_database(settings: Settings) -> tuple[str, EmbeddedPostgres | None, psycopg.Connection[Any]]:
+    """The demo's scratch database; the embedded server if the demo started it (to stop it after); and
+    the connection that holds the demo's lock (closed at the end)."""
     started: EmbeddedPostgres | None = None
     if settings.database_url:
         base = settings.database_url
@@ -75,10 +84,17 @@ def _demo_database(settings: Settings) -> tuple[str, EmbeddedPostgres | None]:
             started = server
         server.start()
         base = server.admin_url()
-    with psycopg.connect(base, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DEMO_DATABASE)))
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DEMO_DATABASE)))
-    return make_conninfo(base, dbname=DEMO_DATABASE), started
+    lock = psycopg.connect(base, autocommit=True)
+    try:
+        row = lock.execute("SELECT pg_try_advisory_lock(%s)", (_DEMO_LOCK,)).fetchone()
+        if not (row and row[0]):
+            raise ConfigurationError("another sendonce demo is running on this PostgreSQL server; run one at a time")
+        lock.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DEMO_DATABASE)))
+        lock.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DEMO_DATABASE)))
+    except BaseException:
+        lock.close()
+        raise
+    return make_conninfo(base, dbname=DEMO_DATABASE), started, lock
 
 
 async def _setup(url: str, plan: Plan) -> tuple[int, int]:
@@ -199,11 +215,12 @@ def run_demo(
         else f"embedded PostgreSQL in {settings.home}/pgdata"
     )
     console.print(f"[bold]sendonce demo[/bold]: {where}, database {DEMO_DATABASE!r}")
-    url, started_server = _demo_database(settings)
+    url, started_server, lock = _demo_database(settings)
     try:
         check_worker_settings(settings, url)
         return _run(console, url, subscribers, workers, started, logs)
     finally:
+        lock.close()
         if started_server is not None:
             started_server.stop()
 

@@ -57,7 +57,11 @@ class Faults:
     @classmethod
     def from_env(cls) -> Faults:
         seed = os.environ.get("SENDONCE_FAULTS_SEED")
-        return cls(os.environ.get("SENDONCE_FAULTS"), seed=int(seed) if seed else None)
+        try:
+            number = int(seed) if seed else None
+        except ValueError:
+            raise ValueError(f"SENDONCE_FAULTS_SEED must be an integer, got {seed!r}") from None
+        return cls(os.environ.get("SENDONCE_FAULTS"), seed=number)
 
     @property
     def active(self) -> bool:

@@ -6,7 +6,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, SecretStr, ValidationError, field_validator
+from pydantic import BeforeValidator, Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sendonce.domain.durations import parse_duration
@@ -122,11 +122,31 @@ class Settings(BaseSettings):
 
     @field_validator("verify_ttl", "optin_ttl", "abuse_window", "soft_bounce_period", "request_timeout")
     @classmethod
-    def _at_least_a_second(cls, value: timedelta) -> timedelta:
+    def _at_least_a_second(cls, value: timedelta, info: ValidationInfo) -> timedelta:
         # Zero would expire every link at once, divide by zero in the abuse detector, or count no bounce.
         if value < timedelta(seconds=1):
             raise ValueError("must be at least 1s")
+        # And an upper bound each: a value that passed here and failed later did so far from its
+        # cause. 30h of request timeout made an idle-session limit past PostgreSQL's integer range,
+        # and the API answered 503 to every request; 3,000,000 days of soft-bounce period made
+        # "now() - period" out of range at every soft bounce (a review found both).
+        most = _MOST[str(info.field_name)]
+        if value > most:
+            raise ValueError(f"must be at most {_spelled(most)}")
         return value
+
+
+def _spelled(value: timedelta) -> str:
+    return f"{value.days}d" if value.days and not value.seconds else f"{int(value.total_seconds())}s"
+
+
+_MOST = {
+    "request_timeout": timedelta(hours=1),
+    "abuse_window": timedelta(days=1),
+    "verify_ttl": timedelta(days=365),
+    "optin_ttl": timedelta(days=365),
+    "soft_bounce_period": timedelta(days=3650),
+}
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -261,3 +261,53 @@ def test_the_demo_shows_why_a_worker_died(demo_home: Path) -> None:
     assert "exited with code 2" in done.stdout
     assert "not-a-number" in done.stdout  # the worker's own error, from its log
     assert (demo_home / "demo" / "worker-0.log").exists()
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        # 20 x 30h of idle-session limit is past PostgreSQL's integer range: every request was a 503
+        ({"SENDONCE_REQUEST_TIMEOUT": "30h"}, "SENDONCE_REQUEST_TIMEOUT: Value error, must be at most 3600s"),
+        # "now() - period" out of range at every soft bounce
+        (
+            {"SENDONCE_SOFT_BOUNCE_PERIOD": "3000000d"},
+            "SENDONCE_SOFT_BOUNCE_PERIOD: Value error, must be at most 3650d",
+        ),
+        ({"SENDONCE_VERIFY_TTL": "400d"}, "SENDONCE_VERIFY_TTL: Value error, must be at most 365d"),
+        # these were tracebacks of the API (the worker refused them cleanly)
+        ({"SENDONCE_FAULTS": "bogus"}, "unknown fault point 'bogus'"),
+        ({"SENDONCE_FAULTS_SEED": "abc"}, "SENDONCE_FAULTS_SEED must be an integer"),
+        ({"SENDONCE_LOG_LEVEL": "basic_format"}, "must be one of debug, info, warning, error"),
+    ],
+    ids=["request-timeout", "soft-bounce-period", "verify-ttl", "faults", "faults-seed", "log-level"],
+)
+def test_the_api_refuses_a_setting_out_of_range_at_start(
+    env: dict[str, str], expected: str, database_url: str, tmp_path: Path
+) -> None:
+    done = sendonce("api", "--port", "0", "--no-upgrade", url=database_url, home=tmp_path, **env)
+    assert expected in one_line_error(done, 2)
+
+
+def test_a_home_whose_path_has_a_space_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    # The embedded server's tools take the folder unquoted: initdb ran, then the server never started
+    # ("invalid argument"), and the half-made data folder stayed (a review found it).
+    home = tmp_path / "My Projects" / "sendonce"
+    done = sendonce("db", "url", url=None, home=home)
+    line = one_line_error(done, 2)
+    assert "path with spaces" in line and "SENDONCE_HOME" in line
+    assert not (home / "pgdata").exists()
+
+
+def test_a_second_demo_on_the_same_server_is_refused_while_the_first_runs(database_url: str, tmp_path: Path) -> None:
+    # Two at once dropped each other's database and sent each other's campaign. The first one here is
+    # stood for by its lock, held by a session of this test.
+    from psycopg.conninfo import make_conninfo
+
+    from sendonce.demo import _DEMO_LOCK
+
+    with psycopg.connect(make_conninfo(database_url, dbname="postgres"), autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (_DEMO_LOCK,))
+        done = sendonce(
+            "demo", "--subscribers", "10", url=make_conninfo(database_url, dbname="postgres"), home=tmp_path
+        )
+    assert "another sendonce demo is running" in one_line_error(done, 2)

@@ -79,6 +79,10 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
         )
     except ValueError as exc:
         raise ConfigurationError(f"signup rate: {exc}") from None
+    try:
+        faults = Faults.from_env()
+    except ValueError as exc:
+        raise ConfigurationError(f"SENDONCE_FAULTS: {exc}") from None
     metrics = ApiMetrics()
     app.state.services = Services(
         settings=settings,
@@ -92,7 +96,7 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
         )
         if settings.abuse_detector
         else None,
-        faults=Faults.from_env(),
+        faults=faults,
         feedback=feedback_policy(settings),
         webhook_config=webhook_config(settings),
     )

