@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 
 import psycopg
+import psycopg.sql
 
 from sendonce.domain.keys import KeyRing
 from sendonce.runtime import keyring
@@ -51,3 +52,27 @@ def test_processes_that_start_at_once_on_a_new_database_agree(empty_database_url
     for thread in threads:
         thread.join()
     assert len(found) == 6 and len(set(found)) == 1 and len(found[0]) >= 16
+
+
+def test_the_secret_is_written_with_a_flushed_commit_whatever_the_database_default(
+    database_url: str, tmp_path: Path
+) -> None:
+    # With the database's synchronous_commit off, a crash of PostgreSQL could forget the secret after
+    # processes had signed links with it; the next start would make another, and refuse those links.
+    name = str(psycopg.conninfo.conninfo_to_dict(database_url)["dbname"])
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            psycopg.sql.SQL("ALTER DATABASE {} SET synchronous_commit = off").format(psycopg.sql.Identifier(name))
+        )
+        conn.execute("CREATE TABLE public.seen (setting text)")
+        conn.execute(
+            """CREATE FUNCTION public.note_commit_mode() RETURNS trigger LANGUAGE plpgsql AS $$
+               BEGIN INSERT INTO public.seen VALUES (current_setting('synchronous_commit')); RETURN NEW; END $$"""
+        )
+        conn.execute(
+            "CREATE TRIGGER note BEFORE INSERT ON sendonce_meta.generated_secret"
+            " FOR EACH ROW EXECUTE FUNCTION public.note_commit_mode()"
+        )
+    _ring(database_url, tmp_path / "home")
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT setting FROM public.seen").fetchall() == [("on",)]

@@ -65,12 +65,15 @@ def is_unavailable(exc: BaseException) -> bool:
 # entry (a review found it); an API answer of "queued" could name a mail that the crash then forgot.
 # `off` is raised to `on`; any other value (`local`, `remote_write`, `remote_apply`) is the operator's
 # and kept. The worker's `--fast-records` turns it off for its recorders' sessions alone, after this.
+_DURABLE = (
+    b"CASE current_setting('synchronous_commit') WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END"
+)
+DURABLE_TRANSACTION = b"SELECT set_config('synchronous_commit', " + _DURABLE + b", true)"
+"""For a connection that is not a sendonce session (see below): this transaction's commit is flushed."""
 _SESSION_SETUP = (
     b"SELECT set_config('default_transaction_isolation', 'read committed', false),"
     b" set_config('timezone', 'UTC', false),"
-    b" set_config('synchronous_commit',"
-    b" CASE current_setting('synchronous_commit') WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END,"
-    b" false)"
+    b" set_config('synchronous_commit', " + _DURABLE + b", false)"
 )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 
-from sendonce.store.database import is_unavailable
+from sendonce.store.database import DURABLE_TRANSACTION, is_unavailable
 from sendonce.store.migrations import ADVISORY_LOCK_KEY
 
 _READ = "SELECT secret FROM sendonce_meta.generated_secret"
@@ -44,6 +44,9 @@ def _shared_secret(conninfo: str, offered: bytes) -> bytes:
     with psycopg.connect(conninfo, autocommit=False, connect_timeout=10) as conn:
         conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
         with conn.transaction():
+            # flushed at its commit whatever the database's synchronous_commit: a secret a crash
+            # forgot after links were signed with it would be replaced, and those links all refused
+            conn.execute(DURABLE_TRANSACTION)
             if _exists(conn):
                 row = conn.execute(_READ).fetchone()
                 if row is not None:
