@@ -30,11 +30,12 @@ from sendonce.faults import DEATH_NOTE
 from sendonce.outbox import enqueue_async
 from sendonce.store import alerts, campaigns, outbox, suppressions, unsubscribes
 from sendonce.store.database import Conn, connect, create_pool
+from sendonce.store.feedback import FeedbackPolicy
 from sendonce.store.rate_limits import Rate
 from sendonce.testing.inbox import Inbox, InboxFaults
 from sendonce.testing.resend_server import ResendFaults, ResendServer
 from sendonce.testing.tcp_proxy import TcpProxy
-from sendonce.transports.base import Accepted, Retry
+from sendonce.transports.base import Accepted, Permanent, Retry
 from sendonce.transports.registry import transport_from_url
 from tests.helpers import (
     campaign_setup,
@@ -487,6 +488,33 @@ async def test_a_stale_attempts_refused_sender_pauses_nothing(database_url: str)
         assert campaign is not None and campaign.status.value == "sending" and raised == []
         # the current attempt's refusal does pause it
         await worker._record(conn, [_Result(Held(new, lease_end=0.0), refused)])
+        campaign = await campaigns.get_campaign(conn, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
+    assert campaign is not None and campaign.status.value == "paused"
+
+
+async def test_a_group_recorded_again_after_a_lost_commit_answer_still_checks_its_bounces(database_url: str) -> None:
+    # The recorder's commit went through but its answer was lost (the connection dropped): the group is
+    # recorded again, finds its rows recorded already, and the hard bounce in it was not counted as
+    # new, so its campaign's bounce rate was never checked.
+    setup = await campaign_setup(database_url, emails(2))
+    await _prebuild(database_url)
+    policy = FeedbackPolicy(max_bounce_rate=0.1, min_sample=1)
+    worker = Worker(
+        database_url,
+        transport_from_url("smtp://127.0.0.1:9"),
+        WorkerConfig(**FAST, feedback=policy),
+        composer=composer(),
+    )
+    claim: dict[str, Any] = {"limit": 1, "lease_seconds": 30, "worker": worker.name, "transport_idempotent": False}
+    bounce = Permanent("rcpt: 550 5.1.1 user unknown", hard_bounce=True)
+    async with await connect(database_url) as conn:
+        [row] = await outbox.claim_batch(conn, **claim)
+        # the first run of the group, whose commit's answer never came back
+        first = await outbox.record_failed(
+            conn, [outbox.FailedRecord(row.account_id, row.delivery_id, row.attempt, bounce.error, hard_bounce=True)]
+        )
+        assert first.recorded == {row.key}
+        await worker._record(conn, [_Result(Held(row, lease_end=0.0), bounce)])  # the group again
         campaign = await campaigns.get_campaign(conn, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
     assert campaign is not None and campaign.status.value == "paused"
 

@@ -988,6 +988,14 @@ class Worker:
         for account_id, alert in paused:
             self._paused_campaign(account_id, alert)
         self._dirty_campaigns |= failed_outcome.bounced_campaigns
+        # and every hard bounce of the group, recorded by this run or not: a group run again after a
+        # commit whose answer was lost finds its rows recorded already, and its campaign's bounce
+        # rate would not be checked (a review found it; a check too many only reads the campaign)
+        self._dirty_campaigns |= {
+            (r.held.delivery.account_id, r.held.delivery.campaign_id)
+            for r in results
+            if isinstance(r.outcome, Permanent) and r.outcome.hard_bounce and r.held.delivery.campaign_id is not None
+        }
         await self._check_campaigns(conn)
 
         self.stats.released += released
