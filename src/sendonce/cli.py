@@ -37,7 +37,14 @@ logger = logging.getLogger("sendonce")
 T = TypeVar("T")
 
 
-_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+_LOG_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "warn": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 
 
 def _configure_logging(level: str) -> None:
@@ -161,7 +168,7 @@ def _upgrade(url: str, *, wait: float = 30.0) -> list[str]:
 @app.callback()
 def main_callback(
     log_level: Annotated[
-        str, typer.Option("--log-level", envvar="SENDONCE_LOG_LEVEL", help="debug, info, warning, error")
+        str, typer.Option("--log-level", envvar="SENDONCE_LOG_LEVEL", help="debug, info, warning, error, critical")
     ] = "info",
 ) -> None:
     _configure_logging(log_level)

@@ -84,7 +84,9 @@ def _demo_database(settings: Settings) -> tuple[str, EmbeddedPostgres | None, ps
             started = server
         server.start()
         base = server.admin_url()
-    lock = psycopg.connect(base, autocommit=True)
+    # on the maintenance database whatever the URL names: an advisory lock is per database, and two
+    # demos given two databases of one server share the one demo database all the same
+    lock = psycopg.connect(make_conninfo(base, dbname="postgres"), autocommit=True, options="-c idle_session_timeout=0")
     try:
         row = lock.execute("SELECT pg_try_advisory_lock(%s)", (_DEMO_LOCK,)).fetchone()
         if not (row and row[0]):

@@ -277,7 +277,7 @@ def test_the_demo_shows_why_a_worker_died(demo_home: Path) -> None:
         # these were tracebacks of the API (the worker refused them cleanly)
         ({"SENDONCE_FAULTS": "bogus"}, "unknown fault point 'bogus'"),
         ({"SENDONCE_FAULTS_SEED": "abc"}, "SENDONCE_FAULTS_SEED must be an integer"),
-        ({"SENDONCE_LOG_LEVEL": "basic_format"}, "must be one of debug, info, warning, error"),
+        ({"SENDONCE_LOG_LEVEL": "basic_format"}, "must be one of debug, info, warning, warn, error, critical"),
     ],
     ids=["request-timeout", "soft-bounce-period", "verify-ttl", "faults", "faults-seed", "log-level"],
 )
@@ -300,14 +300,13 @@ def test_a_home_whose_path_has_a_space_is_refused_before_anything_is_written(tmp
 
 def test_a_second_demo_on_the_same_server_is_refused_while_the_first_runs(database_url: str, tmp_path: Path) -> None:
     # Two at once dropped each other's database and sent each other's campaign. The first one here is
-    # stood for by its lock, held by a session of this test.
+    # stood for by its lock, held by a session of this test on the maintenance database.
     from psycopg.conninfo import make_conninfo
 
     from sendonce.demo import _DEMO_LOCK
 
     with psycopg.connect(make_conninfo(database_url, dbname="postgres"), autocommit=True) as holder:
         holder.execute("SELECT pg_advisory_lock(%s)", (_DEMO_LOCK,))
-        done = sendonce(
-            "demo", "--subscribers", "10", url=make_conninfo(database_url, dbname="postgres"), home=tmp_path
-        )
+        # the second demo is given another database of the same server: the lock is the server's
+        done = sendonce("demo", "--subscribers", "10", url=database_url, home=tmp_path)
     assert "another sendonce demo is running" in one_line_error(done, 2)
