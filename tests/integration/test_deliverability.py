@@ -22,11 +22,13 @@ import pytest
 from sendonce.delivery.compose import Links
 from sendonce.delivery.worker import Worker, WorkerConfig
 from sendonce.domain.keys import KeyRing
+from sendonce.store import feedback
 from sendonce.store.database import connect
 from sendonce.store.feedback import FeedbackPolicy
 from sendonce.testing.inbox import Inbox, InboxFaults
 from sendonce.testing.resend_server import ResendFaults, ResendServer
 from sendonce.transports.registry import transport_from_url
+from sendonce.webhooks import FeedbackEvent
 from tests.conftest import ApiServer
 from tests.helpers import (
     PUBLIC_URL,
@@ -40,7 +42,14 @@ from tests.helpers import (
     running_worker,
     sns_certificate,
 )
-from tests.unit.test_webhooks import CERT_URL, TOPIC, sns_confirmation, sns_notification, svix_headers
+from tests.unit.test_webhooks import (
+    CERT_URL,
+    TOPIC,
+    postmark_bounce,
+    sns_confirmation,
+    sns_notification,
+    svix_headers,
+)
 
 ADMIN = {"Authorization": "Bearer test-admin-token"}
 DRAIN = WorkerConfig(tick=0.2, lease=5, drain=True, backoff_base=0.05)
@@ -377,6 +386,148 @@ async def test_complaints_suppress_at_once_and_soft_bounces_after_a_few(
         assert suppressed == ((1,) if n == 2 else (0,))
     # an event that names no delivery and no account is not attributable: counted, ignored
     assert _generic(client, [{"id": "x", "type": "complaint", "email": "who@example.test"}]).json()["unattributed"] == 1
+
+
+async def test_soft_bounces_reported_at_once_still_reach_the_limit(database_url: str) -> None:
+    # Two requests for one address at once each counted the committed soft bounces and its own, never
+    # the other's: the third soft bounce of the limit arrived and nobody was suppressed (13 of 20
+    # addresses in a review's run of concurrent requests).
+    setup = await _sent_campaign(database_url, ["bob@example.test"])
+    policy = FeedbackPolicy(soft_bounce_limit=3)
+
+    def soft(n: int) -> FeedbackEvent:
+        return FeedbackEvent(
+            "generic", f"s{n}", "soft_bounce", "bob@example.test", None, None, None, {}, setup.account_id
+        )
+
+    async with await connect(database_url) as first, await connect(database_url) as second:
+        async with first.transaction():
+            assert (await feedback.ingest(first, soft(1), policy)).new
+        async with first.transaction():
+            assert not (await feedback.ingest(first, soft(2), policy)).suppressed
+
+            async def other() -> bool:
+                async with second.transaction():
+                    return (await feedback.ingest(second, soft(3), policy)).suppressed
+
+            racing = asyncio.create_task(other())
+            await asyncio.wait([racing], timeout=0.5)  # it waits for this transaction (without the lock: done)
+        assert await racing
+    assert _one(database_url, "SELECT reason FROM sendonce.suppressions WHERE email_key = 'bob@example.test'") == (
+        "bounce",
+    )
+
+
+async def test_a_remote_servers_nul_or_broken_text_does_not_lose_the_bounce(
+    database_url: str, client: httpx.Client
+) -> None:
+    # A NUL or a lone surrogate in a diagnostic (relayed from the remote server) made the request a
+    # 422 every time the provider sent it, and the bounce was never applied.
+    await _sent_campaign(database_url, ["ann@example.test"])
+    job = _one(database_url, "SELECT job_id FROM sendonce.deliveries")[0]
+    event = {
+        "id": "evt\u0000-1",
+        "type": "hard_bounce",
+        "email": "ann@example.test\u0000",
+        "job_id": job,
+        "detail": {"smtp": "550 5.1.1 user\u0000unknown", "raw\ud800": ["\udfff", {"deep": "\u0000"}]},
+    }
+    response = _generic(client, [event])
+    assert response.status_code == 200, response.text
+    assert response.json() == {"received": 1, "new": 1, "unattributed": 0}
+    assert _one(database_url, "SELECT email_key, reason FROM sendonce.suppressions") == ("ann@example.test", "bounce")
+    assert _one(database_url, "SELECT event_id, detail->>'smtp' FROM sendonce.feedback_events") == (
+        "evt\ufffd-1",
+        "550 5.1.1 user\ufffdunknown",
+    )
+    assert _generic(client, [event]).json()["new"] == 0  # and its replay is one
+
+
+async def test_an_event_named_by_an_address_that_does_not_parse_is_refused_not_swallowed(
+    database_url: str, client: httpx.Client
+) -> None:
+    # It was recorded (200, new) and suppressed nobody; the corrected event, same id, was then taken
+    # for a replay and never applied.
+    setup = await _sent_campaign(database_url, ["ann@example.test"])
+    wrong = {"id": "c1", "type": "complaint", "email": "Ann <ann@example.test>", "account_id": setup.account_id}
+    response = _generic(client, [wrong])
+    assert response.status_code == 400 and "email is not an email address" in response.json()["detail"]
+    # with a job id that names no delivery, it can say nothing about anyone: unattributed, not recorded
+    unlinked = dict(wrong, job_id=f"campaign:{setup.campaign_id}:999999")
+    assert _generic(client, [unlinked]).json() == {"received": 1, "new": 0, "unattributed": 1}
+    assert _one(database_url, "SELECT count(*) FROM sendonce.feedback_events") == (0,)
+    assert _generic(client, [dict(wrong, email="ann@example.test")]).json()["new"] == 1
+    assert _one(database_url, "SELECT reason FROM sendonce.suppressions") == ("complaint",)
+
+
+async def test_a_webhook_that_loses_a_deadlock_is_a_503_for_the_provider_to_retry(database_url: str) -> None:
+    # SNS and Postmark take a 4xx for final: a deadlock answered 409 (as a TransactionRollback would
+    # be elsewhere) would lose the request's bounces. psycopg raises DeadlockDetected as an
+    # OperationalError, which the API answers 503. The request holds ann's soft-bounce lock and waits
+    # for bob's, which this test holds, then waits for ann's; the request's session detects the cycle
+    # (this one's deadlock_timeout is longer) and is rolled back.
+    setup = await _sent_campaign(database_url, ["ann@example.test", "bob@example.test"])
+
+    def lock(conn: psycopg.Connection[Any], address: str) -> None:
+        conn.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended('sendonce.soft_bounces:' || %s::text || ':' || %s, 0))",
+            (setup.account_id, address),
+        )
+
+    events = [
+        {"id": f"s-{a}", "type": "soft_bounce", "email": f"{a}@example.test", "account_id": setup.account_id}
+        for a in ("ann", "bob")
+    ]
+    with (
+        ApiServer(database_url, webhook_secret=GENERIC_SECRET) as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+        psycopg.connect(database_url) as conn,
+    ):
+        conn.execute("SET deadlock_timeout = '60s'")
+        lock(conn, "bob@example.test")
+        answer: list[httpx.Response] = []
+        request = asyncio.create_task(asyncio.to_thread(lambda: answer.append(_generic(client, events))))
+        for _ in range(1000):
+            waiting = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory' AND pid <> pg_backend_pid()"
+            ).fetchone()
+            if waiting and waiting[0]:
+                break
+            await asyncio.sleep(0.01)
+        lock(conn, "ann@example.test")  # granted once the request's transaction is rolled back
+        conn.rollback()
+        await request
+    (response,) = answer
+    assert response.status_code == 503, response.text
+    assert int(response.headers["Retry-After"]) >= 1
+    assert _one(database_url, "SELECT count(*) FROM sendonce.feedback_events") == (0,)
+
+
+async def test_a_postmark_bounce_of_mail_sent_through_its_smtp_relay_finds_its_delivery(database_url: str) -> None:
+    # Postmark's bounce carries no headers of the message, and its MessageID is not in the relay's
+    # SMTP reply that a record keeps: every bounce was unattributed and suppressed nobody. Through
+    # smtp.postmarkapp.com (or ?relay=postmark) each message names its job in X-PM-Metadata-*, which
+    # Postmark echoes in the webhook's Metadata.
+    setup = await campaign_setup(database_url, ["ann@example.test", "bob@example.test"])
+    with Inbox() as inbox:
+        await run_to_drain(database_url, transport_from_url(inbox.url + "?relay=postmark"), DRAIN)
+    received = {m.rcpt_to[0]: m.parsed() for m in inbox.messages}
+    metadata = received["ann@example.test"]["X-PM-Metadata-sendonce-job-id"]
+    assert metadata == received["ann@example.test"]["Sendonce-Job-Id"]
+    bounce = postmark_bounce()
+    bounce.update(Email="ann@example.test", MessageID="0a1b2c3d-postmark-id")
+    with (
+        ApiServer(database_url, postmark_webhook_token="pm-token") as server,
+        httpx.Client(base_url=server.url, timeout=30, headers={"X-Sendonce-Webhook-Token": "pm-token"}) as client,
+    ):
+        unlinked = dict(bounce, ID=1, Metadata={})  # as Postmark reported it before: nothing to link
+        assert client.post("/v1/webhooks/postmark", json=unlinked).json()["unattributed"] == 1
+        linked = dict(bounce, Metadata={"sendonce-job-id": metadata})
+        assert client.post("/v1/webhooks/postmark", json=linked).json() == {"received": 1, "new": 1, "unattributed": 0}
+    assert _one(database_url, "SELECT email_key, reason FROM sendonce.suppressions") == ("ann@example.test", "bounce")
+    assert _one(database_url, "SELECT account_id FROM sendonce.feedback_events WHERE delivery_id IS NOT NULL") == (
+        setup.account_id,
+    )
 
 
 def test_webhooks_refuse_bad_signatures_and_payloads(client: httpx.Client, database_url: str) -> None:

@@ -315,6 +315,32 @@ async def test_the_next_envelope_goes_out_with_the_content_and_each_message_arri
     assert inbox.pipelined_envelopes == 5
 
 
+@pytest.mark.parametrize(
+    ("relay", "header"),
+    [
+        ("postmark", b"X-PM-Metadata-sendonce-job-id: job-{n}\r\n"),
+        ("sendgrid", b'X-SMTPAPI: {{"unique_args":{{"sendonce_job_id":"job-{n}"}}}}\r\n'),
+    ],
+)
+@MODES
+async def test_a_relay_gets_the_job_id_in_its_own_header(relay: str, header: bytes, pipelining: bool) -> None:
+    """Postmark's and SendGrid's webhooks echo neither our headers nor an id a record keeps over SMTP:
+    their bounces linked to no delivery and suppressed nobody. Each message names its job in the
+    relay's metadata header (which the relay takes out), in every way the channel sends."""
+    messages = [_message(n) for n in range(3)]
+    with Inbox(pipelining=True) as inbox:
+        channel = SmtpChannel(SmtpSettings("127.0.0.1", inbox.port, timeout=5, pipelining=pipelining, relay=relay))
+        follow = _follower(messages[1:])
+        try:
+            for message in messages:
+                assert isinstance(await channel.send(message, timeout=5, follow=follow), Accepted)
+        finally:
+            await channel.close()
+    expected = [header.replace(b"{n}", str(n).encode()).replace(b"{{", b"{").replace(b"}}", b"}") for n in range(3)]
+    assert [m.data for m in inbox.messages] == [h + m.as_bytes() for h, m in zip(expected, messages, strict=True)]
+    assert inbox.envelopes_behind_content == (2 if pipelining else 0)
+
+
 async def test_without_pipelining_the_next_message_is_not_sent_ahead() -> None:
     messages = [_message(n) for n in range(3)]
     asked: list[int] = []

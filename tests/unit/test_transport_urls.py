@@ -35,6 +35,22 @@ def test_smtp_urls() -> None:
     assert (serial.settings.pipelining, serial.settings.validate_certs) == (False, False)
 
 
+def test_relays_whose_webhooks_need_a_header_of_their_own() -> None:
+    def relay(url: str) -> str | None:
+        transport = transport_from_url(url)
+        assert isinstance(transport, SmtpTransport)
+        return transport.settings.relay
+
+    assert relay("smtp://127.0.0.1:1025") is None
+    assert relay("smtp+starttls://u:p@smtp.postmarkapp.com:587") == "postmark"  # known by its host
+    assert relay("smtp+starttls://u:p@SMTP.SendGrid.net.:587") == "sendgrid"
+    assert relay("smtp+starttls://u:p@smtp.postmarkapp.com:587?relay=none") is None
+    assert relay("smtp://127.0.0.1:1025?relay=postmark") == "postmark"
+    assert relay("smtp://127.0.0.1:1025?relay=SendGrid") == "sendgrid"
+    with pytest.raises(TransportConfigError, match="relay must be one of postmark, sendgrid, none"):
+        transport_from_url("smtp://127.0.0.1:1025?relay=mailgun")
+
+
 def test_resend_urls() -> None:
     https = transport_from_url("resend://re_123@api.resend.com")
     assert isinstance(https, ResendTransport)

@@ -257,6 +257,15 @@ def test_ses_event_publishing_complaint_takes_the_job_id_from_the_tag() -> None:
     }
 
 
+def test_ses_a_not_spam_report_is_not_a_complaint() -> None:
+    # RFC 5965 "not-spam": the reporter says the message is not spam (correcting an earlier report);
+    # it was taken for a complaint, and the address suppressed.
+    record = ses_complaint_event()
+    record["complaint"]["complaintFeedbackType"] = "not-spam"
+    events = events_of(ses(sns_notification(record, version="2")))
+    assert [(e.kind, e.detail["feedback_type"]) for e in events] == [("other", "not-spam")]
+
+
 def test_ses_delivery_and_a_signed_subject() -> None:
     events = events_of(ses(sns_notification(ses_delivery(), subject="Amazon SES Email Event Notification")))
     assert [(e.kind, e.email, e.job_id) for e in events] == [("delivered", "ann@example.com", JOB)]
@@ -724,12 +733,23 @@ def test_postmark_refuses_missing_or_wrong_tokens() -> None:
         postmark(record, {})
     with pytest.raises(SignatureError, match="missing"):
         postmark(record, {"Authorization": "Bearer " + POSTMARK_TOKEN})
-    with pytest.raises(SignatureError, match="Basic auth"):
+    with pytest.raises(SignatureError, match="missing"):  # a Basic header that does not decode offers nothing
         postmark(record, {"Authorization": "Basic !!!"})
+    with pytest.raises(SignatureError, match="missing"):  # nor one without a colon
+        postmark(record, {"Authorization": "Basic " + base64.b64encode(POSTMARK_TOKEN.encode()).decode()})
     with pytest.raises(SignatureError, match="webhook secret for postmark is not configured"):
         postmark(record, config=WebhookConfig())
     # The user name does not matter; the password does.
     assert postmark(record, basic("anyone", POSTMARK_TOKEN))
+
+
+def test_postmark_a_broken_basic_header_does_not_hide_a_right_token() -> None:
+    # A proxy in front may add an Authorization header of its own: the request was refused (401,
+    # and Postmark gave the bounce up) although it carried the right token in the header.
+    headers = {"Authorization": "Basic not-base64!", "X-Sendonce-Webhook-Token": POSTMARK_TOKEN}
+    assert events_of(postmark(postmark_bounce(), headers))[0].kind == "hard_bounce"
+    with pytest.raises(SignatureError, match="invalid"):
+        postmark(postmark_bounce(), {**headers, "X-Sendonce-Webhook-Token": "guess"})
 
 
 def test_postmark_malformed_payloads_are_payload_errors() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -72,6 +72,46 @@ async def _one(conn: Conn, name: str, params: dict[str, Any]) -> dict[str, Any] 
     return await (await conn.execute(query(name), params)).fetchone()
 
 
+def _storable_json(value: Any) -> Any:
+    """``value`` (parsed JSON) with every string, keys included, as PostgreSQL can store it: a NUL or a
+    lone surrogate in a remote server's diagnostic made the whole request fail, every time the
+    provider retried it, and its bounce was never applied. Without recursion: a generic event's
+    detail may be nested as deeply as the JSON parser allowed."""
+    root = [value]
+    stack: list[tuple[Any, Any]] = [(root, 0)]
+    while stack:
+        container, key = stack.pop()
+        item = container[key]
+        if isinstance(item, str):
+            container[key] = storable(item)
+        elif isinstance(item, dict):
+            copy = {storable(k) if isinstance(k, str) else k: v for k, v in item.items()}
+            container[key] = copy
+            stack.extend((copy, k) for k in copy)
+        elif isinstance(item, list):
+            copy_list = list(item)
+            container[key] = copy_list
+            stack.extend((copy_list, i) for i in range(len(copy_list)))
+    return root[0]
+
+
+def _storable_event(event: FeedbackEvent) -> FeedbackEvent:
+    """The event with its text as it can be stored (see :func:`_storable_json`): what providers relay
+    of remote servers is not ours to refuse."""
+
+    def text(value: str | None) -> str | None:
+        return None if value is None else storable(value)
+
+    return replace(
+        event,
+        event_id=storable(event.event_id),
+        email=text(event.email),
+        job_id=text(event.job_id),
+        provider_message_id=text(event.provider_message_id),
+        detail=_storable_json(event.detail),
+    )
+
+
 async def _link(conn: Conn, event: FeedbackEvent) -> dict[str, Any] | None:
     if event.job_id:
         campaign = _CAMPAIGN_JOB_ID.fullmatch(event.job_id)
@@ -100,6 +140,7 @@ async def ingest(conn: Conn, event: FeedbackEvent, policy: FeedbackPolicy) -> In
     our generic format may name its account instead (inside the signed body). Anything else cannot
     be attributed to an account and is ignored, as is an event naming an account that does not exist.
     """
+    event = _storable_event(event)
     delivery = await _link(conn, event)
     owner = delivery["account_id"] if delivery is not None else event.account_id
     if owner is None:
@@ -117,6 +158,10 @@ async def ingest(conn: Conn, event: FeedbackEvent, policy: FeedbackPolicy) -> In
             email_key = parse_address(email).key
         except InvalidAddress:
             email_key = None
+    if delivery is None and email_key is None:
+        # Neither its delivery nor an address that parses: it can say nothing about anyone. Not
+        # recorded, so that the same event corrected (same id) is not taken for its replay.
+        return Ingested(False, None, None, False)
     suppressed = False
     try:
         async with conn.transaction():  # a savepoint inside the caller's transaction
@@ -140,6 +185,7 @@ async def ingest(conn: Conn, event: FeedbackEvent, policy: FeedbackPolicy) -> In
                 return Ingested(False, owner, delivery["campaign_id"] if delivery else None, False)
             reason = SUPPRESSING.get(event.kind)
             if event.kind == "soft_bounce" and email_key:
+                await conn.execute(query("lock_soft_bounces"), {"account_id": owner, "email_key": email_key})
                 count = await _one(
                     conn,
                     "count_soft_bounces",

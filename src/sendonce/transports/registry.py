@@ -8,8 +8,11 @@
 ``resend+http://API_KEY@host:port``    the same over plain http (a local server in tests)
 =====================================  ==============================================
 
-Query parameters: ``timeout`` (seconds); for SMTP ``verify=false`` to accept any certificate, and
-``pipelining=false`` to send one command per round trip even where the server offers PIPELINING.
+Query parameters: ``timeout`` (seconds); for SMTP ``verify=false`` to accept any certificate,
+``pipelining=false`` to send one command per round trip even where the server offers PIPELINING, and
+``relay=postmark|sendgrid|none``: the relay whose webhooks echo the job id only from a header of its
+own (``X-PM-Metadata-sendonce-job-id``, ``X-SMTPAPI`` unique_args), added to each message; known by
+host name (``smtp.postmarkapp.com``, ``smtp.sendgrid.net``) unless ``none``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from sendonce.errors import TransportConfigError
 from sendonce.transports.base import Transport
 from sendonce.transports.resend import ResendSettings, ResendTransport
-from sendonce.transports.smtp import SmtpSettings, SmtpTransport
+from sendonce.transports.smtp import RELAY_HOSTS, RELAYS, SmtpSettings, SmtpTransport
 
 SCHEMES = ("smtp", "smtp+starttls", "smtps", "resend", "resend+http")
 
@@ -73,6 +76,11 @@ def transport_from_url(url: str, *, concurrency: int = 10) -> Transport:
             netloc += f":{port}"
         base = f"{http_scheme}://{netloc}{parts.path.rstrip('/')}"
         return ResendTransport(ResendSettings(base, key, timeout), max_connections=max(concurrency, 1))
+    relay = params.get("relay", RELAY_HOSTS.get(host.lower().rstrip("."), "none")).lower()
+    if relay not in (*RELAYS, "none"):
+        raise TransportConfigError(
+            f"relay must be one of {', '.join((*RELAYS, 'none'))} in {_redact(url)!r}, not {relay!r}"
+        )
     settings = SmtpSettings(
         host=host,
         port=port or {"smtp": 25, "smtp+starttls": 587, "smtps": 465}[scheme],
@@ -83,5 +91,6 @@ def transport_from_url(url: str, *, concurrency: int = 10) -> Transport:
         timeout=timeout,
         validate_certs=_flag(url, params, "verify"),
         pipelining=_flag(url, params, "pipelining"),
+        relay=None if relay == "none" else relay,
     )
     return SmtpTransport(settings)

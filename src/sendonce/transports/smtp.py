@@ -77,6 +77,34 @@ class SmtpSettings:
     local_hostname: str | None = None
     pipelining: bool = True
     """Use RFC 2920 PIPELINING when the server offers it."""
+    relay: str | None = None
+    """A relay whose webhooks echo a header of its own, not ours (``postmark``, ``sendgrid``; see
+    :data:`RELAYS`): each message then carries its job id in that header as well."""
+
+
+RELAYS = ("postmark", "sendgrid")
+"""Relays whose bounce and complaint webhooks carry neither the message's own headers nor an id that
+a record keeps (what sendonce keeps is the relay's SMTP reply). Their metadata header is what links
+such an event to its delivery; the relay takes the header out before the message goes on."""
+RELAY_HOSTS = {
+    "smtp.postmarkapp.com": "postmark",
+    "smtp-broadcasts.postmarkapp.com": "postmark",
+    "smtp.sendgrid.net": "sendgrid",
+}
+"""Relays known by their host name: their header is added unless the URL says ``relay=none``."""
+
+
+def relay_header(relay: str | None, job_id: str) -> bytes:
+    """The header line (CRLF included) that carries ``job_id`` to ``relay``'s webhooks, or nothing.
+    Job ids are ASCII letters, digits, ``_``, ``-`` and ``:``: nothing in them needs quoting, nor
+    makes a line that begins with a dot."""
+    if relay == "postmark":
+        # echoed in the webhooks' Metadata as {"sendonce-job-id": ...}
+        return f"X-PM-Metadata-sendonce-job-id: {job_id}\r\n".encode("ascii")
+    if relay == "sendgrid":
+        # unique_args come back as fields of each event: {"sendonce_job_id": ...}
+        return f'X-SMTPAPI: {{"unique_args":{{"sendonce_job_id":"{job_id}"}}}}\r\n'.encode("ascii")
+    return b""
 
 
 class SmtpTransport(Transport):
@@ -465,6 +493,13 @@ class SmtpChannel(Channel):
         except UnicodeEncodeError as exc:
             return Permanent(f"mail: an address cannot be written in ASCII: {exc}"[:500])
 
+    def _content(self, message: OutgoingMessage) -> bytes:
+        """The message as it follows DATA, with the relay's header first if it has one."""
+        content = message.smtp_content()
+        if self.settings.relay is None:
+            return content
+        return relay_header(self.settings.relay, message.job_id) + content
+
     def _next_ahead(self, follow: Follow | None) -> tuple[OutgoingMessage, bytes, bytes] | None:
         """The lane's next message, its content and its envelope, if it has one ready to go ahead."""
         if follow is None:
@@ -473,7 +508,7 @@ class SmtpChannel(Channel):
             message = follow()
             if message is None:
                 return None
-            content = message.smtp_content()
+            content = self._content(message)
             envelope = self._envelope(message, content)
         except Exception:  # the next message's own send will meet (and report) the same problem
             logger.debug("the next message cannot go ahead", exc_info=True)
@@ -497,12 +532,12 @@ class SmtpChannel(Channel):
         try:
             await self._connection(timeout)
             if self._pipe is not None:
-                content = message.smtp_content()
+                content = self._content(message)
                 envelope = self._envelope(message, content)
                 if isinstance(envelope, Permanent):
                     return envelope
                 return await self._send_pipelined(self._pipe, message, content, envelope, timeout, gate, follow)
-            data = message.as_bytes()  # aiosmtplib frames it itself
+            data = relay_header(self.settings.relay, message.job_id) + message.as_bytes()  # aiosmtplib frames it
             options = self._options(message, data)
             if isinstance(options, Permanent):
                 return options

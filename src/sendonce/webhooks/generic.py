@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from sendonce.domain.addresses import InvalidAddress, parse_address
 from sendonce.webhooks import fields
 from sendonce.webhooks.events import (
     COMPLAINT,
@@ -96,6 +97,14 @@ def _event(item: Mapping[str, Any], path: str) -> FeedbackEvent:
         raise PayloadError(f"{path}.type {kind[:64]!r} is not one of {', '.join(TYPES)}")
     email = fields.req_str(item, "email", path)
     job_id = fields.opt_str(item, "job_id", path)
+    if job_id is None:
+        # Named by its address alone, so the address must parse: such an event suppressed nobody, and
+        # once recorded under its id, the corrected event was taken for a replay. (With a job id, the
+        # delivery names the address, whatever the event's says.)
+        try:
+            parse_address(email)
+        except InvalidAddress as exc:
+            raise PayloadError(f"{path}.email is not an email address: {exc}") from None
     account = item.get("account_id")
     if account is not None and (isinstance(account, bool) or not isinstance(account, int) or not 1 <= account < 2**63):
         raise PayloadError(f"{path}.account_id must be a positive integer")
@@ -105,7 +114,8 @@ def _event(item: Mapping[str, Any], path: str) -> FeedbackEvent:
         occurred_at = fields.parse_iso_time(occurred, f"{path}.occurred_at", require_offset=True)
     info = fields.opt_object(item, "detail", path) or {}
     try:
-        size = len(json.dumps(info, ensure_ascii=False).encode("utf-8"))
+        # surrogatepass: a lone surrogate is measured, not refused (it is stored replaced)
+        size = len(json.dumps(info, ensure_ascii=False).encode("utf-8", "surrogatepass"))
     except RecursionError:
         raise PayloadError(f"{path}.detail is nested too deeply") from None
     if size > _MAX_DETAIL_BYTES:

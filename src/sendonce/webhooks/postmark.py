@@ -151,7 +151,9 @@ def verify_token(headers: Mapping[str, str], config: WebhookConfig) -> None:
     if password is not None:
         candidates.append(password)
     if not candidates:
-        raise SignatureError("postmark webhook token missing: no Basic auth and no X-Sendonce-Webhook-Token header")
+        raise SignatureError(
+            "postmark webhook token missing: no Basic auth password and no X-Sendonce-Webhook-Token header"
+        )
     # Compare every candidate (no early exit), so timing says nothing about which one matched.
     matched = False
     for candidate in candidates:
@@ -165,14 +167,15 @@ def _basic_password(authorization: str) -> str | None:
     scheme, _, credentials = authorization.strip().partition(" ")
     if scheme.lower() != "basic" or not credentials:
         return None
+    # A Basic header that does not decode offers no password: the token header may still hold the
+    # right one (a proxy in front may add Authorization of its own), and with neither, the request
+    # is refused as missing its token.
     try:
         decoded = base64.b64decode(credentials.strip(), validate=True).decode("utf-8")
     except (binascii.Error, ValueError):
-        raise SignatureError("postmark webhook Basic auth is not valid base64 user:password") from None
+        return None
     _user, colon, password = decoded.partition(":")
-    if not colon:
-        raise SignatureError("postmark webhook Basic auth is not valid base64 user:password")
-    return password
+    return password if colon else None
 
 
 def _job_id(record: Mapping[str, Any]) -> str | None:

@@ -230,14 +230,19 @@ def ses_events(record: Mapping[str, Any], sns_message_id: str, sent_at: datetime
     elif record_type == "Complaint":
         complaint = fields.req_object(record, "complaint", "Message")
         occurred_at = fields.opt_iso_time(complaint, "timestamp", "Message.complaint")
+        feedback_type = fields.opt_str(complaint, "complaintFeedbackType", "Message.complaint")
+        # "not-spam" (RFC 5965) is a report that the message is *not* spam, sent to correct an earlier
+        # one: recorded, and it suppresses nobody.
+        complaint_kind = OTHER if feedback_type == "not-spam" else COMPLAINT
         info = fields.detail(
-            feedback_type=fields.opt_str(complaint, "complaintFeedbackType", "Message.complaint"),
+            feedback_type=feedback_type,
             complaint_subtype=fields.opt_str(complaint, "complaintSubType", "Message.complaint"),
             feedback_id=fields.opt_str(complaint, "feedbackId", "Message.complaint"),
         )
         for index, item in enumerate(fields.req_list(complaint, "complainedRecipients", "Message.complaint")):
             path = f"Message.complaint.complainedRecipients[{index}]"
-            recipients.append((fields.req_str(fields.as_object(item, path), "emailAddress", path), COMPLAINT, info))
+            address = fields.req_str(fields.as_object(item, path), "emailAddress", path)
+            recipients.append((address, complaint_kind, info))
     elif record_type == "Delivery":
         delivery = fields.req_object(record, "delivery", "Message")
         occurred_at = fields.opt_iso_time(delivery, "timestamp", "Message.delivery")

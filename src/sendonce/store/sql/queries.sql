@@ -1031,8 +1031,15 @@ UPDATE sendonce.deliveries
        feedback_at = now()
  WHERE account_id = %(account_id)s AND delivery_id = %(delivery_id)s;
 
+-- lock_soft_bounces --
+-- Held to the end of the transaction, taken before count_soft_bounces (a statement of its own, so
+-- that the count's snapshot is taken after the wait): two requests reporting soft bounces of one
+-- address at once each counted their own and the committed ones, never each other's, and the limit
+-- was passed with nobody suppressed.
+SELECT pg_advisory_xact_lock(hashtextextended('sendonce.soft_bounces:' || %(account_id)s::text || ':' || %(email_key)s, 0));
+
 -- count_soft_bounces --
--- Soft bounces of an address within a period.
+-- Soft bounces of an address within a period (after lock_soft_bounces).
 SELECT count(*) AS n
   FROM sendonce.feedback_events
  WHERE account_id = %(account_id)s AND email_key = %(email_key)s AND kind = 'soft_bounce'
