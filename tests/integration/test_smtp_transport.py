@@ -621,8 +621,8 @@ async def test_a_refusal_of_one_message_is_not_transport_wide(
 
 
 @MODES
-async def test_a_421_at_any_step_is_transport_wide(pipelining: bool) -> None:
-    """421: the service is not available (RFC 5321), whatever command it answers: the server's state."""
+async def test_a_421_to_the_envelope_is_transport_wide(pipelining: bool) -> None:
+    """421: the service is not available (RFC 5321), before the message was read: the server's state."""
     with Inbox(faults=InboxFaults(reject=lambda _: "421 4.3.2 too busy, closing")) as inbox:
         channel = _channel(inbox, pipelining=pipelining)
         try:
@@ -631,6 +631,25 @@ async def test_a_421_at_any_step_is_transport_wide(pipelining: bool) -> None:
             await channel.close()
     assert isinstance(outcome, Retry) and outcome.transport_wide and not outcome.uncertain, outcome
     assert outcome.error.startswith("rcpt: 421")
+
+
+@MODES
+async def test_a_421_to_the_content_counts_against_the_message(pipelining: bool) -> None:
+    """The server read the message and closed on it: this message's try (counted, certain), not an
+    outage; uncounted, a message answered so every time was tried for ever. The channel is usable again."""
+    faults = InboxFaults(refuse_content=lambda _: "421 4.7.0 Try again later, closing connection")
+    with Inbox(faults=faults) as inbox:
+        channel = _channel(inbox, pipelining=pipelining)
+        try:
+            outcome = await channel.send(_message(1), timeout=5)
+            faults.refuse_content = None
+            assert isinstance(await channel.send(_message(2), timeout=5), Accepted)
+        finally:
+            await channel.close()
+    assert isinstance(outcome, Retry), outcome
+    assert not outcome.transport_wide and not outcome.uncertain, outcome
+    assert outcome.error.startswith("data: 421")
+    assert [m.job_id for m in inbox.messages] == ["job-2"]
 
 
 def _assert_refusal(outcome: Outcome, expected: str) -> None:

@@ -571,6 +571,28 @@ async def test_replies_that_are_not_utf8_are_recorded_and_the_worker_goes_on(dat
     assert (status, counts.sent, counts.failed, counts.possible_duplicate) == ("sent", 2, 1, 0)
 
 
+async def test_a_message_the_relay_closes_on_every_time_fails_after_its_tries(database_url: str) -> None:
+    # A 421 to the content was a transport outage, uncounted: a message a relay's filter answers so
+    # every time was tried for ever (94 tries in 20 s in a review's run), and its campaign never
+    # left "sending". It is this message's try: counted, and the campaign finishes.
+    tries: Counter[str] = Counter()
+
+    def refuse(address: str) -> str | None:
+        tries[address] += 1
+        return "421 4.7.0 Message rejected, closing connection" if address == "user000001@example.test" else None
+
+    setup = await campaign_setup(database_url, emails(5))
+    with Inbox(faults=InboxFaults(refuse_content=refuse)) as inbox:
+        config = WorkerConfig(concurrency=2, drain=True, max_failures=3, **FAST)
+        stats = await run_to_drain(database_url, transport_from_url(inbox.url), config)
+        received = inbox.by_recipient()
+    assert tries["user000001@example.test"] == 3 and "user000001@example.test" not in received
+    assert len(received) == 4 and set(received.values()) == {1}
+    assert stats.transport_failures == 0
+    status, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)
+    assert (status, counts.sent, counts.failed) == ("sent", 4, 1)
+
+
 async def test_a_refused_sender_of_a_transactional_message_is_retried_counted(database_url: str) -> None:
     # No campaign to pause: the message is retried like any other transient failure, and fails after
     # its tries (retried uncounted, it would be tried for ever).

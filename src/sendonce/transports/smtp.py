@@ -597,9 +597,17 @@ class SmtpChannel(Channel):
             return Retry(f"{phase}: unexpected answer to the content: {code} {text}"[:500], uncertain=True)
         self._dirty = True
         if code == 421:
-            # The server is closing the connection (RFC 5321: the service is not available), at any
-            # step: its state, not this message's. Retry, not counted, while the lanes pause.
+            # The server is closing the connection (RFC 5321: the service is not available).
             await self.close()
+            if content_sent:
+                # It read the whole message first, and said no to it: this message's try, counted
+                # like a 451 to its content. Uncounted, a message the relay answers so every time
+                # (a content or reputation filter's "421 4.7.0") was tried for ever, a few times a
+                # second while other mail went through, and held its campaign in "sending". A relay
+                # that is down meets the next message at its connection, where a 421 is the outage's.
+                return Retry(f"{phase}: {code} {text}"[:500])
+            # At the greeting or to the envelope: its state, not this message's. Retry, not counted,
+            # while the lanes pause.
             return Retry(f"{phase}: {code} {text}"[:500], transport_wide=True)
         if phase == "connect":
             # A refused greeting, STARTTLS or login says nothing about this message: the server or
