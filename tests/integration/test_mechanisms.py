@@ -457,6 +457,26 @@ async def test_paused_campaigns_are_not_claimed(database_url: str) -> None:
     assert len(await _claim_all(database_url)) == 10
 
 
+async def test_accounts_take_turns_at_the_claims(database_url: str) -> None:
+    # In schedule order alone, the first account's campaign filled every claim until its queue was
+    # empty: the other accounts' campaigns waited behind it (a review: [A] x 20 claims, then B).
+    big = await campaign_setup(database_url, emails(200, "a.test"))
+    small = [await campaign_setup(database_url, emails(5, f"{name}.test")) for name in ("b", "c")]
+    await _start_and_build(database_url)
+    async with await connect(database_url) as conn:
+        claims = [
+            await outbox.claim_batch(
+                conn, limit=20, lease_seconds=LEASE, worker="w", transport_idempotent=True, after={}, turn=turn
+            )
+            for turn in range(3)
+        ]
+    served = [d.account_id for batch in claims for d in batch]
+    # the small accounts are served within the first three claims, the big one's campaign meanwhile too
+    assert [served.count(s.account_id) for s in small] == [5, 5]
+    assert served.count(big.account_id) == 60 - 10
+    assert all(big.account_id in {d.account_id for d in batch} for batch in claims)
+
+
 # -- leases and fencing ----------------------------------------------------------------------------
 
 
@@ -730,6 +750,7 @@ async def _explain_claim(conn: Conn, after: outbox.Cursor, *, limit: int = 20) -
         "after_campaigns": [k[1] for k, _ in positions],
         "after_not_befores": [p[0] for _, p in positions],
         "after_deliveries": [p[1] for _, p in positions],
+        "turn": 0,
     }
     async with conn.transaction(force_rollback=True):
         cursor = await conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query("claim_batch"), params)

@@ -301,6 +301,8 @@ class Worker:
         """Where this worker's last claim of each campaign ended; emptied whenever it finds nothing to do."""
         self._cursor_resets = 0
         """Times the cursor was emptied (a claim in flight meanwhile must not move it on again)."""
+        self._claims = 0
+        """Claims made: the turn by which accounts take turns to be claimed from first."""
         self._outage_until = 0.0
         """While the transport is down (a transport-wide failure), no lane starts a send before this
         time (loop clock): the relay is probed by one try per lane and pause, not by every queued row."""
@@ -507,7 +509,9 @@ class Worker:
                         transport_idempotent=self._idempotent,
                         key_life=self.transport.capabilities.key_life,
                         after=self._cursor,
+                        turn=self._claims,
                     )
+                    self._claims += 1
                     if self._cursor_resets != resets:  # reset during this claim: it stays reset
                         self._cursor.clear()
                     claimed = batch

@@ -165,12 +165,14 @@ async def claim_batch(
     transport_idempotent: bool,
     key_life: float | None = None,
     after: Cursor | None = None,
+    turn: int = 0,
 ) -> list[ClaimedDelivery]:
     """Claim up to ``limit`` due rows. With ``after`` (the worker's cursor), campaign rows are taken
     after it first, then from the front of the queue if that did not fill the batch; the cursor is
     moved past what was claimed. ``key_life``: how long an idempotent transport remembers a key (see
     :class:`~sendonce.transports.base.Capabilities`); a re-send of a row uncertain for longer than
-    that, less :data:`KEY_LIFE_MARGIN`, is written to the ledger."""
+    that, less :data:`KEY_LIFE_MARGIN`, is written to the ledger. ``turn``: the worker's count of its
+    claims, by which the accounts with a campaign sending take turns to be claimed from first."""
     positions = sorted((after or {}).items())
     result = conn.cursor(row_factory=tuple_row)  # its columns are ClaimedDelivery's fields, in order
     await result.execute(
@@ -185,6 +187,7 @@ async def claim_batch(
             "after_campaigns": [key[1] for key, _ in positions],
             "after_not_befores": [position[0] for _, position in positions],
             "after_deliveries": [position[1] for _, position in positions],
+            "turn": turn % 2**62,
         },
     )
     batch = [ClaimedDelivery(*row) for row in await result.fetchall()]

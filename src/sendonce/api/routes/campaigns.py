@@ -178,16 +178,23 @@ async def _cas(conn: Db, account_id: int, campaign_id: int, action: str, body: A
         return CampaignOut(
             id=campaign_id,
             name=campaign.name,
-            status=campaign.status,
-            scheduled_for=campaign.scheduled_for,
+            # what this transition made it, from its UPDATE's RETURNING: read again, a concurrent
+            # transition committed in between showed here (a won pause answered "sending", and an
+            # Idempotency-Key kept that answer)
+            status=result.status,
+            scheduled_for=result.scheduled_for,
             lists=campaign.list_ids,
         )
     if result.status is None:
         raise Problem(404, f"no campaign {campaign_id} in this account")
-    sources = ", ".join(sorted(s.value for s in CAMPAIGN_TRANSITIONS[action][0]))
+    allowed = CAMPAIGN_TRANSITIONS[action][0]
+    sources = ", ".join(sorted(s.value for s in allowed))
+    # Read after the lost compare-and-set: a transition committed in between may have made it one the
+    # action is allowed from; the answer says so rather than contradict itself.
+    why = "it changed concurrently and is now" if result.status in allowed else "it is"
     raise Problem(
         409,
-        f"cannot {action} campaign {campaign_id}: it is {result.status.value} (allowed from: {sources})",
+        f"cannot {action} campaign {campaign_id}: {why} {result.status.value} (allowed from: {sources})",
         kind="invalid-transition",
         title="Invalid state transition",
         current_status=result.status.value,

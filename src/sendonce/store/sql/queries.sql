@@ -401,13 +401,21 @@ WITH transactional AS (
     -- walking past them from the front made each claim of a large campaign slower than the last.
     -- Rows behind the cursor (given back, or whose lease expired) are taken when nothing is left
     -- ahead of it: the second branch runs only if the first did not fill the batch.
+    -- Accounts take turns: claim number %(turn)s of a worker starts with the next account that has a
+    -- campaign sending, each account's campaigns in their order. In schedule order alone, one
+    -- account's campaign filled every claim until its queue was empty, and every other account's
+    -- campaigns waited behind it (a million recipients: half an hour and more).
     SELECT r.account_id, r.delivery_id
-      FROM (SELECT c.account_id, c.campaign_id,
-                   coalesce(k.not_before, '-infinity') AS after_not_before,
-                   coalesce(k.delivery_id, 0) AS after_delivery_id
-              FROM sendonce.campaigns c
-              LEFT JOIN after k ON k.account_id = c.account_id AND k.campaign_id = c.campaign_id
-             WHERE c.status = 'sending' ORDER BY c.scheduled_for, c.campaign_id) c
+      FROM (SELECT s.account_id, s.campaign_id, s.after_not_before, s.after_delivery_id
+              FROM (SELECT c.account_id, c.campaign_id, c.scheduled_for,
+                           coalesce(k.not_before, '-infinity') AS after_not_before,
+                           coalesce(k.delivery_id, 0) AS after_delivery_id,
+                           dense_rank() OVER (ORDER BY c.account_id) AS account_rank
+                      FROM sendonce.campaigns c
+                      LEFT JOIN after k ON k.account_id = c.account_id AND k.campaign_id = c.campaign_id
+                     WHERE c.status = 'sending') s
+             ORDER BY mod(s.account_rank + %(turn)s::bigint, max(s.account_rank) OVER ()),
+                      s.scheduled_for, s.campaign_id) c
      CROSS JOIN LATERAL (
             SELECT * FROM (
                 SELECT d.account_id, d.delivery_id
