@@ -190,6 +190,50 @@ async def test_a_row_made_ahead_is_not_started_and_a_pause_still_gives_it_back(d
     assert [(r.held, r.outcome) for r in worker._results] == [(ahead, None)]
 
 
+async def test_a_pause_reaches_a_row_whose_lane_waits_at_the_gate(database_url: str) -> None:
+    # A lane sends a message's envelope, then waits at the gate for its previous message's record
+    # before the content. A pause (or an opt-out) that a renewal brought then did not reach the row:
+    # "started" was set before the envelope, and only unstarted rows were given back. Here the
+    # records wait on a lock this test holds, so the second row waits at its gate for as long.
+    setup = await campaign_setup(database_url, emails(2))
+    assert setup.campaign_id is not None
+    await _prebuild(database_url)
+    lock: list[psycopg.Connection[Any]] = []
+
+    def reject(address: str) -> str | None:
+        if not lock:  # the claim has committed: the records of its rows wait for this lock
+            conn = psycopg.connect(database_url)
+            conn.execute("SELECT 1 FROM sendonce.deliveries WHERE campaign_id = %s FOR UPDATE", (setup.campaign_id,))
+            lock.append(conn)
+        return None
+
+    config = WorkerConfig(concurrency=1, batch_size=2, **FAST)
+    with Inbox(faults=InboxFaults(reject=reject)) as inbox:
+        async with running_worker(database_url, transport_from_url(inbox.url), config) as worker:
+            try:
+                deadline = time.monotonic() + 30
+                while not (len(worker._held) == 2 and sum(h.done for h in worker._held.values()) == 1):
+                    assert time.monotonic() < deadline, "the first outcome never came"
+                    await asyncio.sleep(0.01)
+                [waiting] = [h for h in worker._held.values() if not h.done]
+                assert waiting.started and not waiting.content  # its envelope is out; at the gate
+                async with await connect(database_url) as conn:
+                    assert (await campaigns.transition(conn, setup.account_id, setup.campaign_id, "pause")).won
+                while not waiting.release:  # the next renewal finds the campaign paused
+                    assert time.monotonic() < deadline, "the pause never reached the row at the gate"
+                    await asyncio.sleep(0.01)
+            finally:
+                for conn in lock:
+                    conn.rollback()  # the first record goes through; the gate then withholds the second
+                    conn.close()
+            while worker._held:
+                assert time.monotonic() < deadline, "the rows were never settled"
+                await asyncio.sleep(0.01)
+    assert len(inbox.messages) == 1
+    status, counts = await campaign_status(database_url, setup.account_id, setup.campaign_id)
+    assert (status, counts.sent, counts.queued) == ("paused", 1, 1)
+
+
 async def test_a_late_outcome_of_an_old_attempt_leaves_the_new_claim_held(database_url: str) -> None:
     # The worker lost its lease on a row (an outage), the row was re-queued and this same worker
     # claimed it again. The old attempt's outcome, recorded late, is refused (fencing), and must not

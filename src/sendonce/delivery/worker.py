@@ -138,8 +138,12 @@ class Held:
     revoked: bool = False
     """A renewal found the row is no longer ours: it must not be sent."""
     release: bool = False
-    """Its campaign was paused or cancelled: give it back unless already started."""
+    """Its campaign was paused or cancelled, or its recipient left: give it back unless its content
+    is going out already (before its send began, or at the gate before its content)."""
     started: bool = False
+    content: bool = False
+    """Past the gate: its content is going out (SMTP). Until then, a release still withholds it, though
+    its envelope went out (a lane waits there for its previous message's record)."""
     done: bool = False
     """Its outcome is with the recorder: a renewal that no longer finds it is not a lost lease."""
     claimed_at: float = 0.0
@@ -741,6 +745,7 @@ class Worker:
                 left = held.lease_end - loop.time()
                 if left <= config.margin or held.revoked or held.release or self._stopping:
                     return None
+                held.content = True
                 # and the send itself must end before the lease does, whatever the transport's timeout
                 return min(config.send_timeout, left - config.margin * 0.2)
 
@@ -774,7 +779,7 @@ class Worker:
             return
         for h in self._held.values():
             d = h.delivery
-            if d.campaign_id == delivery.campaign_id and d.account_id == delivery.account_id and not h.started:
+            if d.campaign_id == delivery.campaign_id and d.account_id == delivery.account_id and not h.content:
                 h.release = True
 
     def _past_deadline(self, held: Held, *, count_only: bool = False) -> None:
@@ -1109,7 +1114,7 @@ class Worker:
             key = h.delivery.key
             if key in renewal.busy:
                 # still ours, locked for a moment by someone else: it keeps the deadline it has
-                if not renewal.busy[key] and not h.started:
+                if not renewal.busy[key] and not h.content:
                     h.release = True
                 continue
             if key not in owned:
@@ -1125,7 +1130,9 @@ class Worker:
                 h.revoked = True
                 continue
             h.lease_end = lease_end
-            if not owned[key] and not h.started:
+            if not owned[key] and not h.content:
+                # Until its content goes out: a row whose lane waits at the gate (its envelope sent,
+                # its previous message's record slow to come) was sent all the same.
                 h.release = True
 
     # -- builder and listener --------------------------------------------------------------------

@@ -53,7 +53,9 @@ class Retry:
     envelope's sender (a 5xx to MAIL FROM), the provider refuses the account's domain, the worker
     cannot read the account's DKIM key (the worker's own Retry, before any send). Every message
     of that sender would fail alike: a campaign's row pauses its campaign (the operator fixes the
-    sender and resumes it) and goes back uncounted; any other row is retried, counted."""
+    sender and resumes it) and goes back, counted as one of its tries (a refusal read wrongly as the
+    sender's fails that row after its tries instead of pausing the campaign at each resume); any
+    other row is retried, counted."""
 
 
 @dataclass(frozen=True, slots=True)
