@@ -224,7 +224,9 @@ def test_malformed_json_and_wrong_types(client: httpx.Client) -> None:
     auth = _account(client)
     response = client.post("/v1/lists", content=b"{not json", headers={**auth, "Content-Type": "application/json"})
     problem = _problem(response, 422)
-    assert "JSON" in problem["detail"]
+    # the body is named, not the character where parsing stopped ("1: the body is not valid JSON")
+    assert problem["errors"][0]["field"] == "body", problem
+    assert problem["detail"].startswith("body: the body is not valid JSON (at character 1): "), problem
     _problem(client.post("/v1/lists", json=["a", "list"], headers=auth), 422)
     _problem(client.post("/v1/subscribers", json={"subscribers": []}, headers=auth), 422)
     _problem(client.post("/v1/campaigns/abc/approve", headers=auth), 422)

@@ -126,6 +126,34 @@ async def test_a_rate_limit_is_transport_wide_and_keeps_its_retry_after() -> Non
     assert outcome.error.startswith("429") and outcome.retry_after is not None
 
 
+async def test_a_retry_while_the_first_request_is_in_flight_waits_for_its_answer() -> None:
+    """The provider still handles the first request with the key (we gave up waiting for it): the
+    retry gets ``409 concurrent_idempotent_requests``, which says nothing about whether the message
+    was taken (uncertain), and the next retry, once the first is answered, gets its answer replayed."""
+    faults = ResendFaults(answer_late=1.0, stall_seconds=1.5)
+    with ResendServer(faults=faults) as provider:
+        transport = transport_from_url(provider.url + "?timeout=0.3")
+        await transport.start()
+        channel = transport.channel()
+        try:
+            first = await channel.send(_message(), timeout=5)
+            faults.answer_late = 0.0
+            during = await channel.send(_message(), timeout=5)
+            while provider._keys["signup:1:1"][1] is None:  # until the first request's answer is stored
+                await asyncio.sleep(0.05)
+            after = await channel.send(_message(), timeout=5)
+        finally:
+            await channel.close()
+            await transport.close()
+    assert isinstance(first, Retry) and first.uncertain, first
+    assert isinstance(during, Retry) and during.uncertain and not during.transport_wide, during
+    assert "concurrent_idempotent_requests" in during.error and during.retry_after == 1.0
+    assert isinstance(after, Accepted), after
+    assert provider.by_job() == {"signup:1:1": 1}
+    assert (faults.counts["409_concurrent"], faults.counts["replayed"]) == (1, 1)
+    assert after.message_id == provider.accepted[0].id
+
+
 async def test_a_server_error_is_about_the_message_and_uncertain() -> None:
     with ResendServer(faults=ResendFaults(server_error=1.0)) as provider:
         outcome = await _send(provider.url, _message())

@@ -386,6 +386,16 @@ async def test_verify_once_twice_forged_and_expired(database_url: str, inbox: In
         assert c.post("/v1/signups/verify", json={"token": forged}).status_code == 400
         assert c.post("/v1/signups/verify", json={"token": "garbage"}).status_code == 400
         assert c.get("/v1/signups/verify", params={"token": forged}).status_code == 400
+        # the page's button, with a forged token or a form that cannot be read: a page, not JSON
+        pressed = c.post("/v1/signups/verify", data={"token": forged})
+        assert pressed.status_code == 400 and pressed.headers["content-type"].startswith("text/html")
+        assert "this verification link is not valid" in pressed.text
+        crowded = c.post(
+            "/v1/signups/verify",
+            content="&".join(f"f{n}=x" for n in range(1100)),
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
+        assert crowded.status_code == 400 and crowded.headers["content-type"].startswith("text/html"), crowded.text
         # the verified person is a confirmed member of the account's signup list
         with psycopg.connect(database_url) as conn:
             row = conn.execute(

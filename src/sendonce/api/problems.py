@@ -91,9 +91,14 @@ def validation_errors(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, str
     out = []
     for error in errors:
         message = str(error.get("msg", "invalid"))
+        field = _field(error.get("loc", ()))
         if error.get("type") == "json_invalid":
-            message = "the body is not valid JSON: " + str(error.get("ctx", {}).get("error", message))
-        out.append({"field": _field(error.get("loc", ())), "message": message})
+            # its location is the character where parsing stopped, not a field: the body is
+            loc = [p for p in error.get("loc", ()) if p != "body"]
+            where = f" (at character {loc[0]})" if loc and isinstance(loc[0], int) else ""
+            message = "the body is not valid JSON" + where + ": " + str(error.get("ctx", {}).get("error", message))
+            field = "body"
+        out.append({"field": field, "message": message})
     return out
 
 

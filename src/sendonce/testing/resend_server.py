@@ -8,7 +8,9 @@
 * the same key while the first request is still being handled: ``409 concurrent_idempotent_requests``.
 
 Faults, each a probability per request: 429, 500, "accept then stall" (the email is recorded,
-then the answer is delayed past the client's timeout: the ambiguous case), and "replay conflict" (a
+then the answer is delayed past the client's timeout: the ambiguous case), "answer late" (the same,
+but the key stays in flight until the answer is made: a retry meanwhile gets the
+``concurrent_idempotent_requests`` 409), and "replay conflict" (a
 repeat of a key already answered gets ``409 invalid_idempotent_request`` instead of the replay, as a
 provider that forgot the body but remembers the key would answer).
 """
@@ -58,6 +60,9 @@ class ResendFaults:
     """The Retry-After header of a 500 answer (none if None)."""
     accept_then_stall: float = 0.0
     stall_seconds: float = 5.0
+    answer_late: float = 0.0
+    """The email is recorded, and its key stays in flight for ``stall_seconds`` before the answer is
+    made and stored: a request with the key meanwhile gets ``409 concurrent_idempotent_requests``."""
     delay_seconds: float = 0.0
     """Every request waits this long before it is handled (a slow provider)."""
     replay_conflict: float = 0.0
@@ -162,6 +167,13 @@ class ResendServer:
             email_id = hashlib.shake_256(seed).hexdigest((faults.id_length + 1) // 2)[: faults.id_length]
             self.accepted.append(AcceptedEmail(email_id, key, body, time.time()))
         answer = {"id": email_id}
+        if faults.roll(faults.answer_late):
+            faults.counts["answer_late"] += 1
+            await asyncio.sleep(faults.stall_seconds)  # the key in flight all along
+            with self._lock:
+                if key is not None:
+                    self._keys[key] = (digest, answer)
+            return JSONResponse(answer, status_code=200)
         stall = faults.roll(faults.accept_then_stall)
         if stall:
             faults.counts["accept_then_stall"] += 1

@@ -182,8 +182,10 @@ class ResendChannel(Channel):
             return Accepted(email_id)
         if status == 409:
             if name == "concurrent_idempotent_requests":
-                # The first request with this key is still in flight at the provider: ask again later.
-                return Retry(detail, retry_after=_retry_after(response) or 1.0)
+                # The first request with this key is still in flight at the provider (an attempt of
+                # ours whose answer we gave up waiting for): ask again later. It may yet be taken, so
+                # uncertain, whatever that earlier attempt's record said.
+                return Retry(detail, uncertain=True, retry_after=_retry_after(response) or 1.0)
             if name != "invalid_idempotent_request":
                 # Not the provider's word on the key (a proxy's 409, a name it does not use): nothing
                 # says the message went out, so it is not recorded sent; the same key makes a re-send safe.

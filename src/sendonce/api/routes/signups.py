@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, StringConstraints
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sendonce.api.deps import CurrentAccount, Db, connection
 from sendonce.api.idempotency import idempotent
@@ -175,6 +176,18 @@ async def verify(request: Request) -> Response:
     """
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     human = content_type == "application/x-www-form-urlencoded"
+    if not human:
+        return await _verify(request, human=False)
+    try:
+        return await _verify(request, human=True)
+    except Problem as exc:
+        # Someone pressed the page's button: a page, not a problem document, says what went wrong
+        return HTMLResponse(_page(exc.title, exc.detail), status_code=exc.status, headers=exc.headers)
+    except StarletteHTTPException as exc:  # a form that cannot be read
+        return HTMLResponse(_page("Request not valid", str(exc.detail)), status_code=exc.status_code)
+
+
+async def _verify(request: Request, *, human: bool) -> Response:
     if human:
         form = await request.form()
         token = str(form.get("token") or "")
