@@ -289,6 +289,80 @@ def test_csv_import(client: httpx.Client, database_url: str) -> None:
     _problem(client.post(f"/v1/subscribers/import?list={lst}", content=b"email\nnope\n", headers=csv_headers), 422)
 
 
+def test_an_import_never_brings_back_someone_who_opted_out(client: httpx.Client, database_url: str) -> None:
+    # An export whose every row says "confirmed", imported again, re-confirmed those who had
+    # unsubscribed (or bounced), and the next campaign mailed them. Only they can come back.
+    auth = _account(client)
+    lst = client.post("/v1/lists", json={"name": "l"}, headers=auth).json()["id"]
+    first = [
+        {"email": "ann@example.test", "status": "unsubscribed", "lists": [lst]},
+        {"email": "bob@example.test", "status": "bounced", "lists": [lst]},
+        {"email": "cat@example.test", "status": "pending", "lists": [lst]},
+    ]
+    assert client.post("/v1/subscribers", json={"subscribers": first}, headers=auth).json()["created"] == 3
+    csv_body = b"email,status\nANN@example.test,confirmed\nbob@example.test,confirmed\ncat@example.test,confirmed\n"
+    response = client.post(
+        f"/v1/subscribers/import?list={lst}", content=csv_body, headers={**auth, "Content-Type": "text/csv"}
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert (body["updated"], body["kept_unsubscribed"], body["kept_bounced"]) == (3, 1, 1), body
+    statuses = "SELECT array_agg(status::text ORDER BY email_key) FROM sendonce.subscribers"
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute(statuses).fetchone() == (["unsubscribed", "bounced", "confirmed"],)
+    again = client.post(
+        "/v1/subscribers", json={"subscribers": [{"email": "ann@example.test", "status": "confirmed"}]}, headers=auth
+    ).json()
+    assert again["results"][0]["note"].startswith("status kept unsubscribed: send resubscribe=true"), again
+    # what they ask for themselves still goes through: the API may still record an opt-out
+    assert (
+        client.post(
+            "/v1/subscribers",
+            json={"subscribers": [{"email": "cat@example.test", "status": "unsubscribed"}]},
+            headers=auth,
+        ).json()["results"][0]["note"]
+        is None
+    )
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute(statuses).fetchone() == (["unsubscribed", "bounced", "unsubscribed"],)
+    # consent given again, said so: applied
+    csv_headers = {**auth, "Content-Type": "text/csv"}
+    response = client.post(f"/v1/subscribers/import?list={lst}&resubscribe=true", content=csv_body, headers=csv_headers)
+    assert (response.json()["kept_unsubscribed"], response.json()["kept_bounced"]) == (0, 0), response.text
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute(statuses).fetchone() == (["confirmed", "confirmed", "confirmed"],)
+
+
+def test_csv_files_as_spreadsheets_write_them(
+    client: httpx.Client, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    auth = _account(client)
+    lst = client.post("/v1/lists", json={"name": "l"}, headers=auth).json()["id"]
+    headers = {**auth, "Content-Type": "text/csv"}
+
+    def post(content: bytes) -> httpx.Response:
+        return client.post(f"/v1/subscribers/import?list={lst}", content=content, headers=headers)
+
+    # bare CRs (old Mac software): "new-line character seen in unquoted field"
+    assert post(b"email,name\rann@example.test,Ann\rbob@example.test,Bob\r").json()["created"] == 2
+    # a column that cannot be an attribute fails the file at once, not only the rows with a value there
+    problem = _problem(post(b"email,First Name\ncat@example.test,\ndan@example.test,Dan\n"), 422)
+    assert "'First Name' cannot be an attribute name" in problem["detail"]
+    _problem(post(b"email,city,city\ncat@example.test,a,b\n"), 422)
+    # a trailing comma: a column with no name, which may only be empty
+    body = post(b"email,\ncat@example.test,\ndan@example.test,oops\n").json()
+    assert (body["created"], body["errors"]) == (1, 1) and "no name" in body["error_rows"][0]["error"]
+    # more fields than the header names: said so
+    body = post(b"email,x\neve@example.test,1,2\n").json()
+    assert "the row has 3 fields, the header 2" in str(body), body
+    # too many rows: refused whole, before anything is written
+    from sendonce.api.routes import subscribers as routes
+
+    monkeypatch.setattr(routes, "MAX_IMPORT_ROWS", 2)
+    _problem(post(b"email\nfay@example.test\ngil@example.test\nhal@example.test\n"), 413)
+    assert _count(database_url, "SELECT count(*) FROM sendonce.subscribers WHERE email_key LIKE 'fay@%'") == 0
+
+
 def test_suppressions(client: httpx.Client) -> None:
     auth = _account(client)
     first = client.post("/v1/suppressions", json={"email": "Ann@Example.test", "reason": "complaint"}, headers=auth)

@@ -243,16 +243,25 @@ def _generic(client: httpx.Client, events: list[dict[str, Any]]) -> httpx.Respon
 def test_a_webhook_batch_is_all_or_nothing(client: httpx.Client, database_url: str) -> None:
     body, _ = _account(client)
     good = {"id": "e1", "type": "hard_bounce", "email": "a@example.test", "account_id": body["id"]}
-    poisoned = {
-        "id": "e2",
-        "type": "hard_bounce",
-        "email": "b@example.test",
-        "account_id": body["id"],
-        "detail": {"x": "\u0000"},
-    }
+    poisoned = {"id": "e2", "type": "hard_bounce", "email": "b@example.test", "account_id": body["id"]}
+    # A value PostgreSQL refuses, once the first event is written. No input does that any more (text
+    # it cannot store is stored replaced, since 2026-12-04): a trigger stands in for what might.
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "CREATE FUNCTION refuse_event_e2() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF NEW.event_id = 'e2' THEN RAISE EXCEPTION 'refused' USING ERRCODE = 'character_not_in_repertoire'; "
+            "END IF; RETURN NEW; END $$"
+        )
+        conn.execute(
+            "CREATE TRIGGER refuse BEFORE INSERT ON sendonce.feedback_events "
+            "FOR EACH ROW EXECUTE FUNCTION refuse_event_e2()"
+        )
     response = _generic(client, [good, poisoned])
     assert response.status_code == 422, response.text
     assert _one(database_url, "SELECT count(*) FROM sendonce.suppressions") == (0,)
+    assert _one(database_url, "SELECT count(*) FROM sendonce.feedback_events") == (0,)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("DROP TRIGGER refuse ON sendonce.feedback_events")
     late = {"id": "e3", "type": "soft_bounce", "email": "c@example.test", "occurred_at": "9999-12-31T23:59:59-14:00"}
     assert _generic(client, [late]).status_code == 400
     assert _generic(client, [good]).json()["new"] == 1

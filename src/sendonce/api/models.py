@@ -63,6 +63,11 @@ class SubscribersIn(BaseModel):
         default=False,
         description="the people consented elsewhere: double opt-in memberships start confirmed, no confirmation mail",
     )
+    resubscribe: bool = Field(
+        default=False,
+        description="a status confirmed or pending is applied to subscribers who unsubscribed or bounced too "
+        "(they gave their consent again); without it such a status is not applied and the row says so",
+    )
 
 
 class SubscriberResult(BaseModel):
@@ -71,6 +76,8 @@ class SubscriberResult(BaseModel):
     result: str = Field(description="created, updated or error")
     id: int | None = None
     error: str | None = None
+    note: str | None = None
+    """Set when the row was written differently from what it asked (a status an opt-out keeps)."""
 
 
 class SubscribersOut(BaseModel):

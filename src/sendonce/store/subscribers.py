@@ -30,6 +30,9 @@ class SubscriberInput:
 class UpsertResult:
     subscriber_id: int
     created: bool
+    kept_status: str | None = None
+    """The status it keeps (``unsubscribed``, ``bounced``) where the row asked to confirm it again
+    without ``resubscribe``."""
 
 
 OPTIN_PURPOSE = "optin"
@@ -51,6 +54,7 @@ async def upsert_subscribers(
     preconfirm: bool = False,
     confirm_url: ConfirmUrl | None = None,
     optin_ttl: timedelta | None = None,
+    resubscribe: bool = False,
 ) -> list[UpsertResult]:
     """Insert or update ``rows`` in one transaction; one result per input row, in order.
 
@@ -58,7 +62,9 @@ async def upsert_subscribers(
     so a request can never create two subscribers for one address. New memberships of double opt-in
     lists are pending, and their confirmation mails are queued in the same transaction. A membership
     still pending whose last confirmation mail certainly reached nobody, or whose link (valid for
-    ``optin_ttl``) has expired, gets a new one.
+    ``optin_ttl``) has expired, gets a new one. A status ``confirmed`` or ``pending`` is not applied to
+    a subscriber who unsubscribed or bounced (see :attr:`UpsertResult.kept_status`) unless
+    ``resubscribe``: the caller holds their renewed consent.
     """
     if not rows:
         return []
@@ -80,6 +86,7 @@ async def upsert_subscribers(
     unique = sorted(merged.values(), key=lambda row: row.address.key)
     ids: dict[str, int] = {}
     created: set[str] = set()
+    kept: dict[str, str] = {}
     async with conn.transaction():
         cursor = await conn.execute(
             query("insert_subscribers"),
@@ -105,10 +112,13 @@ async def upsert_subscribers(
                     "names": [r.name for r in existing],
                     "statuses": [r.status.value if r.status else None for r in existing],
                     "attributes": [Jsonb(r.attributes) if r.attributes else None for r in existing],
+                    "resubscribe": resubscribe,
                 },
             )
             for found in await cursor.fetchall():
                 ids[found["email_key"]] = int(found["subscriber_id"])
+                if found["status_kept"]:
+                    kept[found["email_key"]] = str(found["status"])
         pairs = [(list_id, ids[r.address.key]) for r in unique for list_id in r.list_ids]
         if pairs:
             renewed: list[tuple[int, int, int]] = []
@@ -146,7 +156,7 @@ async def upsert_subscribers(
     for row in rows:
         key = row.address.key
         # Only the first row of a new address counts as its creation; the others updated it.
-        results.append(UpsertResult(ids[key], key in created))
+        results.append(UpsertResult(ids[key], key in created, kept.get(key)))
         created.discard(key)
     return results
 

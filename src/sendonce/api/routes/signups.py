@@ -167,7 +167,12 @@ def _verify_payload(request: Request, token: str) -> dict[str, object]:
 
 @router.post(
     "/v1/signups/verify",
-    openapi_extra=json_or_form_body(VerifyIn),  # the route reads its body itself: documented for clients
+    # the route reads its body itself: documented for clients; the form (the page's button) is
+    # answered with a page, its errors too
+    openapi_extra={
+        **json_or_form_body(VerifyIn),
+        "responses": {"200": {"content": {"text/html": {"schema": {"type": "string"}}}}},
+    },
 )
 async def verify(request: Request) -> Response:
     """Verify a signup with the token of its link: JSON ``{token}``, or the form of the GET page.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import json
@@ -28,7 +29,7 @@ from sendonce.domain.addresses import InvalidAddress, parse_address
 from sendonce.domain.states import SubscriberStatus
 from sendonce.store import lists as list_store
 from sendonce.store.database import Conn
-from sendonce.store.subscribers import OPTIN_PURPOSE, SubscriberInput, upsert_subscribers
+from sendonce.store.subscribers import OPTIN_PURPOSE, SubscriberInput, UpsertResult, upsert_subscribers
 
 router = APIRouter(tags=["subscribers"])
 
@@ -155,16 +156,18 @@ async def _apply(
     preconfirm: bool,
     confirm_url: Callable[[int, int], str],
     optin_ttl: timedelta,
-) -> list[tuple[int, SubscriberInput, int, bool]]:
+    resubscribe: bool = False,
+) -> list[tuple[int, SubscriberInput, UpsertResult]]:
     results = await upsert_subscribers(
         conn,
         account_id,
         [row for _, row in parsed],
         preconfirm=preconfirm,
+        resubscribe=resubscribe,
         confirm_url=confirm_url,
         optin_ttl=optin_ttl,
     )
-    return [(index, row, r.subscriber_id, r.created) for (index, row), r in zip(parsed, results, strict=True)]
+    return [(index, row, r) for (index, row), r in zip(parsed, results, strict=True)]
 
 
 @router.post("/v1/subscribers", response_model=SubscribersOut)
@@ -201,15 +204,23 @@ async def _upsert(body: SubscribersIn, account_id: int, conn: Conn, request: Req
             account_id,
             good,
             preconfirm=body.preconfirm,
+            resubscribe=body.resubscribe,
             confirm_url=confirm_url_maker(request, account_id),
             optin_ttl=services_of(request).settings.optin_ttl,
         )
         if good
         else []
     )
-    for index, sub, subscriber_id, created in applied:
+    for index, sub, result in applied:
+        note = None
+        if result.kept_status is not None:
+            note = f"status kept {result.kept_status}: send resubscribe=true if they gave their consent again"
         results[index] = SubscriberResult(
-            index=index, email=sub.address.given, result="created" if created else "updated", id=subscriber_id
+            index=index,
+            email=sub.address.given,
+            result="created" if result.created else "updated",
+            id=result.subscriber_id,
+            note=note,
         )
     final = [r for r in results if r is not None]
     created_ids = {r.id for r in final if r.result == "created"}
@@ -234,6 +245,7 @@ async def import_csv(
     conn: Db,
     list_id: Annotated[int, Query(alias="list", ge=1, le=BIGINT_MAX)],
     preconfirm: bool = False,
+    resubscribe: bool = False,
 ) -> Response:
     """Import a CSV with an ``email`` column into a list; ``name`` and ``status`` columns are read too,
     and every other column becomes a subscriber attribute (a string).
@@ -241,57 +253,111 @@ async def import_csv(
     Good rows are kept, bad rows reported by line; 422 (nothing written) when no row is good.
     """
     aid = account.account_id
-    return await idempotent(request, conn, aid, lambda: _import(request, aid, conn, list_id, preconfirm))
+    return await idempotent(request, conn, aid, lambda: _import(request, aid, conn, list_id, preconfirm, resubscribe))
 
 
 _RESERVED_COLUMNS = {"email": "email", "name": "name", "status": "status"}
 
 
-async def _import(request: Request, account_id: int, conn: Conn, list_id: int, preconfirm: bool) -> Response:
+MAX_IMPORT_ROWS = 1_000_000
+"""Rows of one CSV import: it is one transaction, parsed whole before it is written. A larger file is
+refused before anything is written (split it); within the byte limit a file could hold several
+million short rows, which took gigabytes and minutes."""
+_ERROR_ROWS_KEPT = 1000
+
+
+def _parse_csv(raw: bytes, list_id: int) -> tuple[list[tuple[int, SubscriberInput]], list[dict[str, Any]], int]:
+    """(good rows by line, the first bad rows, how many were bad). In a thread: a large file's parsing
+    held the API's event loop, and every other request with it, for seconds."""
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise Problem(422, f"the file is not UTF-8 (byte {exc.start}); nothing was written") from None
+    # newline="": the csv module reads the line ends itself (a file saved with bare CRs, by old Mac
+    # software, was "new-line character seen in unquoted field")
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader, None)
+    except csv.Error as exc:
+        raise Problem(422, f"not a CSV file: {exc}") from None
+    # email, name and status in any case; every other column is an attribute, named as written
+    # (a template reads attributes.firstName, not attributes.firstname)
+    fields = [_RESERVED_COLUMNS.get(f.strip().lower(), f.strip()) for f in header or []]
+    if "email" not in fields:
+        raise Problem(422, "the CSV has no 'email' column (the first line must name the columns)")
+    # Checked once, up front: a column whose name cannot be an attribute failed only the rows where
+    # it had a value, and the file was half imported.
+    for name in fields:
+        if name and name not in _RESERVED_COLUMNS and not (name.isidentifier() and len(name) <= 64):
+            raise Problem(
+                422,
+                f"column {name[:80]!r} cannot be an attribute name (letters, digits and _, at most 64 "
+                "characters); nothing was written",
+            )
+    duplicated = sorted({f for f in fields if f and fields.count(f) > 1})
+    if duplicated:
+        raise Problem(422, f"the CSV names column(s) {duplicated} more than once; nothing was written")
+    errors: list[dict[str, Any]] = []
+    bad = 0
+    pending: list[tuple[int, SubscriberInput]] = []
+    line = 1
+    try:
+        for line, values in enumerate(reader, start=2):
+            if line - 1 > MAX_IMPORT_ROWS:
+                raise Problem(413, f"the file has more than {MAX_IMPORT_ROWS:,} rows; split it; nothing was written")
+            if not values:
+                continue  # a blank line
+            if len(values) > len(fields):
+                bad += 1
+                if len(errors) < _ERROR_ROWS_KEPT:
+                    errors.append(
+                        {
+                            "line": line,
+                            "email": values[fields.index("email")] if fields.index("email") < len(values) else None,
+                            "error": f"the row has {len(values)} fields, the header {len(fields)}",
+                        }
+                    )
+                continue
+            row = dict(zip(fields, values, strict=False))
+            unnamed = [v for f, v in zip(fields, values, strict=False) if not f and v.strip()]
+            try:
+                if unnamed:  # columns without a name (a trailing comma) may only be empty
+                    raise RowError(f"a value under a column with no name: {unnamed[0][:80]!r}")
+                pending.append(
+                    (
+                        line,
+                        parse_row(
+                            (row.get("email") or "").strip(),
+                            row.get("name") or None,
+                            row.get("status") or None,
+                            [list_id],
+                            {k: v for k, v in row.items() if k and k not in _RESERVED_COLUMNS and v} or None,
+                        ),
+                    )
+                )
+            except RowError as exc:
+                bad += 1
+                if len(errors) < _ERROR_ROWS_KEPT:
+                    errors.append({"line": line, "email": row.get("email"), "error": str(exc)})
+    except csv.Error as exc:
+        raise Problem(422, f"the CSV is malformed at line {line + 1}: {exc}; nothing was written") from None
+    return pending, errors, bad
+
+
+async def _import(
+    request: Request, account_id: int, conn: Conn, list_id: int, preconfirm: bool, resubscribe: bool
+) -> Response:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in ("text/csv", "application/csv", "text/plain"):
         raise Problem(415, "send the file as text/csv")
     if not await list_store.existing_lists(conn, account_id, [list_id]):
         raise Problem(422, f"unknown list id: {list_id}")
     raw = await request.body()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise Problem(422, f"the file is not UTF-8 (byte {exc.start}); nothing was written") from None
-    try:
-        reader = csv.DictReader(io.StringIO(text))
-        # email, name and status in any case; every other column is an attribute, named as written
-        # (a template reads attributes.firstName, not attributes.firstname)
-        fields = [_RESERVED_COLUMNS.get(f.strip().lower(), f.strip()) for f in reader.fieldnames or []]
-    except csv.Error as exc:
-        raise Problem(422, f"not a CSV file: {exc}") from None
-    if "email" not in fields:
-        raise Problem(422, "the CSV has no 'email' column (the first line must name the columns)")
-    reader.fieldnames = fields
-    errors: list[dict[str, Any]] = []
-    pending: list[tuple[int, SubscriberInput]] = []
-    try:
-        rows = list(reader)
-    except csv.Error as exc:
-        raise Problem(422, f"the CSV is malformed: {exc}; nothing was written") from None
-    for line, row in enumerate(rows, start=2):
-        try:
-            pending.append(
-                (
-                    line,
-                    parse_row(
-                        (row.get("email") or "").strip(),
-                        row.get("name") or None,
-                        row.get("status") or None,
-                        [list_id],
-                        {k: v for k, v in row.items() if k not in ("email", "name", "status") and v} or None,
-                    ),
-                )
-            )
-        except RowError as exc:
-            errors.append({"line": line, "email": row.get("email"), "error": str(exc)})
+    pending, errors, bad = await asyncio.to_thread(_parse_csv, raw, list_id)
+    del raw
     created_ids: set[int] = set()
     updated_ids: set[int] = set()
+    kept: dict[int, str] = {}
     async with conn.transaction():  # all or nothing: a failure leaves no half import behind
         for start in range(0, len(pending), IMPORT_CHUNK):
             chunk = pending[start : start + IMPORT_CHUNK]
@@ -302,9 +368,12 @@ async def _import(request: Request, account_id: int, conn: Conn, list_id: int, p
                 preconfirm=preconfirm,
                 confirm_url=confirm_url_maker(request, account_id),
                 optin_ttl=services_of(request).settings.optin_ttl,
+                resubscribe=resubscribe,
             )
-            for _, _, subscriber_id, was_created in applied:
-                (created_ids if was_created else updated_ids).add(subscriber_id)
+            for _, _, result in applied:
+                (created_ids if result.created else updated_ids).add(result.subscriber_id)
+                if result.kept_status is not None:
+                    kept[result.subscriber_id] = result.kept_status
     created, updated = len(created_ids), len(updated_ids - created_ids)
     if not pending:
         raise Problem(
@@ -312,7 +381,17 @@ async def _import(request: Request, account_id: int, conn: Conn, list_id: int, p
             "no valid row in the file; nothing was written",
             created=0,
             updated=0,
-            errors=len(errors),
-            error_rows=errors[:1000],
+            errors=bad,
+            error_rows=errors,
         )
-    return JSONResponse({"created": created, "updated": updated, "errors": len(errors), "error_rows": errors[:1000]})
+    return JSONResponse(
+        {
+            "created": created,
+            "updated": updated,
+            "errors": bad,
+            "error_rows": errors,
+            # asked to be confirmed again and not: only they can bring themselves back
+            "kept_unsubscribed": sum(status == "unsubscribed" for status in kept.values()),
+            "kept_bounced": sum(status == "bounced" for status in kept.values()),
+        }
+    )

@@ -57,18 +57,23 @@ ON CONFLICT (account_id, email_key) DO NOTHING
 RETURNING subscriber_id, email_key;
 
 -- update_subscribers --
--- Existing subscribers: a field that was not given keeps its value, so an import without a status
--- never re-subscribes someone who unsubscribed.
+-- Existing subscribers: a field that was not given keeps its value. Nor does a status given bring back
+-- someone who unsubscribed or bounced (as confirm_subscriber, their choice or their mailbox wins): an
+-- export whose every row says "confirmed", imported again, re-confirmed them, and the next campaign
+-- mailed people who had opted out. Unless %(resubscribe)s: the caller says they consented again.
+-- status_kept: a status was asked for and refused so.
 UPDATE sendonce.subscribers s
    SET name = coalesce(u.name, s.name),
-       status = coalesce(u.status, s.status),
+       status = CASE WHEN NOT %(resubscribe)s AND s.status IN ('unsubscribed', 'bounced')
+                          AND u.status IN ('pending', 'confirmed')
+                     THEN s.status ELSE coalesce(u.status, s.status) END,
        attributes = s.attributes || coalesce(u.attributes, '{}'),
        updated_at = now()
   FROM unnest(%(email_keys)s::text[], %(names)s::text[],
               %(statuses)s::sendonce.subscriber_status[], %(attributes)s::jsonb[])
        AS u(email_key, name, status, attributes)
  WHERE s.account_id = %(account_id)s AND s.email_key = u.email_key
-RETURNING s.subscriber_id, s.email_key;
+RETURNING s.subscriber_id, s.email_key, coalesce(u.status <> s.status, false) AS status_kept, s.status;
 
 -- add_memberships --
 -- List memberships; an existing one (even unsubscribed) is left as it is. A new membership of a
