@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -418,6 +419,9 @@ def outbox_prune(
                         for row in rows:
                             handle.write(json.dumps(row, default=str) + "\n")
                         handle.flush()
+                        # on the disk before the deletion commits: a crash of the machine (not only of
+                        # this process) between the two must not lose rows from both
+                        os.fsync(handle.fileno())
                     if dry_run:  # leaving the transaction by an exception rolls the deletion back
                         raise _DryRun(len(rows))
                 removed += len(rows)

@@ -182,6 +182,9 @@ async def test_prune_archives_and_deletes_only_finished_old_rows(database_url: s
     assert twice["uncertain"] is True and twice["ledger_entries"] == 1
     assert [(e["attempt"], e["reason"]) for e in twice["ledger"]] == [(2, "lease expired after the send began")]
     assert all(r["ledger"] == [] and r["uncertain"] is False for r in rows if r is not twice)
+    # when each ended, and what it was tied to, go with it
+    assert all({"updated_at", "uncertain_since", "feedback", "feedback_at", "operation_key"} <= set(r) for r in rows)
+    assert all(r["updated_at"] for r in rows)
     with psycopg.connect(database_url) as conn:
         # the running campaign's rows, sent or not, are all still there
         assert conn.execute("SELECT count(*) FROM sendonce.deliveries").fetchone() == (3,)

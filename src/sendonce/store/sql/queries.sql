@@ -930,6 +930,9 @@ DELETE FROM sendonce.deliveries d
 RETURNING d.account_id, d.delivery_id, d.job_id, d.kind, d.campaign_id, d.subscriber_id, d.email, d.status,
           d.uncertain, d.attempt, d.failures, d.created_at, d.sent_at, d.transport_message_id, d.last_error,
           d.payload,
+          -- when it ended (for a failed row, its only date), what feedback it had, and what tied it
+          -- to a signup's window: gone from the archive until 2026-12-04
+          d.updated_at, d.uncertain_since, d.feedback, d.feedback_at, d.operation_key,
           (SELECT count(*) FROM ledger l WHERE l.delivery_id = d.delivery_id) AS ledger_entries,
           -- the possible-duplicate entries go with their row: the archive keeps them whole
           (SELECT coalesce(jsonb_agg(jsonb_build_object('attempt', l.attempt, 'reason', l.reason,
