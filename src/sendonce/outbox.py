@@ -34,7 +34,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from sendonce.domain.addresses import parse_address
-from sendonce.domain.message import RESERVED_HEADERS, is_header_name
+from sendonce.domain.message import is_header_name, is_reserved_header
 from sendonce.errors import InvalidInput
 from sendonce.store.queries import query
 
@@ -76,7 +76,7 @@ def _params(
     for name, value in (headers or {}).items():
         if not isinstance(name, str) or not is_header_name(name):
             raise InvalidInput(f"{name!r} is not a header name (printable ASCII, no space, no colon)")
-        if name.lower() in RESERVED_HEADERS:
+        if is_reserved_header(name):
             raise InvalidInput(f"the {name} header is written by sendonce")
         if not isinstance(value, str) or "\r" in value or "\n" in value:
             raise InvalidInput(f"the {name} header's value must be text on one line")

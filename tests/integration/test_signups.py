@@ -612,6 +612,9 @@ def test_a_sealed_answer_under_a_retired_secret_is_a_clear_409(database_url: str
         ({"from": "boss@example.test"}, "written by sendonce"),
         ({"Sendonce-Job-Id": "message:1:other"}, "written by sendonce"),
         ({"Content-Transfer-Encoding": "base64"}, "written by sendonce"),
+        # a relay's metadata, echoed by its webhooks: another account's job id would send a bounce there
+        ({"X-PM-Metadata-sendonce-job-id": "campaign:1:1"}, "written by sendonce"),
+        ({"X-SMTPAPI": '{"unique_args": {"sendonce_job_id": "campaign:1:1"}}'}, "written by sendonce"),
         ({"X-Note": "one\r\nBcc: x@evil.test"}, "on one line"),
         ({"X-Count": 3}, "on one line"),
     ],

@@ -11,7 +11,7 @@ from typing import Any
 from sendonce.delivery.compose import ComposeError, Composer, Links, Sender, TransactionalComposer, wire_address
 from sendonce.domain.jobs import JOB_ID_HEADER, message_id
 from sendonce.domain.keys import SIGNUP_EVENT
-from sendonce.domain.message import RESERVED_HEADERS, OutgoingMessage, format_address, is_header_name
+from sendonce.domain.message import OutgoingMessage, format_address, is_header_name, is_reserved_header
 from sendonce.store.outbox import ClaimedDelivery
 
 _VERIFY_TEXT = {
@@ -91,7 +91,7 @@ def compose_message(delivery: ClaimedDelivery, sender: Sender, date: str) -> Out
         for name, value in extra.items():
             if not isinstance(name, str) or not is_header_name(name):
                 raise ComposeError(f"{name!r} is not a header name")
-            if name.lower() not in RESERVED_HEADERS:
+            if not is_reserved_header(name):
                 base["headers"].append((name, str(value)))  # encode_header_value makes line breaks spaces
     return OutgoingMessage(subject=subject, text=text, html=html if isinstance(html, str) else None, **base)
 

@@ -35,6 +35,17 @@ RESERVED_HEADERS = frozenset(
     }
 )
 """Headers sendonce writes itself (lower case): a transactional message's own headers cannot set them."""
+RESERVED_HEADER_PREFIXES = ("x-pm-metadata-", "x-smtpapi")
+"""Relays' metadata headers (Postmark's, SendGrid's), which their webhooks echo and sendonce reads to
+find a bounce's delivery: set by an account, they could send its own bounce to another account's
+delivery, and suppress that account's subscriber."""
+
+
+def is_reserved_header(name: str) -> bool:
+    """A header a transactional message's own headers cannot set (see :data:`RESERVED_HEADERS`)."""
+    lowered = name.lower()
+    return lowered in RESERVED_HEADERS or lowered.startswith(RESERVED_HEADER_PREFIXES)
+
 
 _HEADER_NAME = re.compile(r"[!-9;-~]+")
 

@@ -605,6 +605,8 @@ class SmtpChannel(Channel):
                 # (a content or reputation filter's "421 4.7.0") was tried for ever, a few times a
                 # second while other mail went through, and held its campaign in "sending". A relay
                 # that is down meets the next message at its connection, where a 421 is the outage's.
+                # (Without pipelining, aiosmtplib reads DATA's 354 and the content's answer as one
+                # exchange: a 421 to the DATA command itself is counted so too.)
                 return Retry(f"{phase}: {code} {text}"[:500])
             # At the greeting or to the envelope: its state, not this message's. Retry, not counted,
             # while the lanes pause.
