@@ -313,7 +313,7 @@ def _parse_csv(raw: bytes, list_id: int) -> tuple[list[tuple[int, SubscriberInpu
                     errors.append(
                         {
                             "line": line,
-                            "email": values[fields.index("email")] if fields.index("email") < len(values) else None,
+                            "email": values[fields.index("email")],  # more values than fields: it is there
                             "error": f"the row has {len(values)} fields, the header {len(fields)}",
                         }
                     )
@@ -390,7 +390,7 @@ async def _import(
             "updated": updated,
             "errors": bad,
             "error_rows": errors,
-            # asked to be confirmed again and not: only they can bring themselves back
+            # asked to be confirmed again and not applied (no resubscribe): they had opted out or bounced
             "kept_unsubscribed": sum(status == "unsubscribed" for status in kept.values()),
             "kept_bounced": sum(status == "bounced" for status in kept.values()),
         }
