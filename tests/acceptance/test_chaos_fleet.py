@@ -89,3 +89,17 @@ def test_a_kill_that_finds_the_hook_got_there_first_counts_the_hooks_death(tmp_p
     [witness] = fleet.held_at_hook_kills
     assert witness is not None and witness.at == 1700000001.0
     assert witness.held == [("campaign:1:9", 1700000000.5, 1700000002.5, False)]
+
+
+def test_a_sigkill_the_fault_hook_did_not_make_is_a_crash(tmp_path: Path) -> None:
+    # the OOM killer, say: no note, so no hook kill; the copies it left have nothing to explain them
+    fleet = _fleet(tmp_path)
+    try:
+        proc = _worker(fleet, STOPS_ON_SIGTERM)
+        proc.popen.send_signal(signal.SIGKILL)  # not through the suite: it is not killed_by_us
+        assert proc.popen.wait(timeout=30) == -signal.SIGKILL
+        assert fleet.reap(proc)  # replaced, as any death is
+    finally:
+        fleet.close()
+    assert fleet.hook_kills["worker"] == 0
+    assert fleet.crashes and "without the fault hook's note" in fleet.crashes[0]

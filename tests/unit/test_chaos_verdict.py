@@ -8,13 +8,20 @@ from typing import Any
 import pytest
 
 from sendonce.chaos.broken import FENCE, remove_fencing
-from sendonce.chaos.harness import by_victims_connection, credit_copies, within_victims_lease
+from sendonce.chaos.harness import (
+    RestartWindow,
+    by_victims_connection,
+    credit_copies,
+    restart_jobs,
+    within_victims_lease,
+)
 from sendonce.chaos.invariants import DatabaseView, Expectation, Verdict, faults_fired, judge, zombie_completions
 from sendonce.chaos.processes import HeldRow, Witness, worker_stats
 from sendonce.chaos.sinks import Arrival, SmtpSink
 from sendonce.chaos.traffic import plan_addresses
 from sendonce.store.queries import QUERIES
 from sendonce.testing.inbox import InboxFaults
+from sendonce.testing.resend_server import AcceptedEmail
 
 PEOPLE = {"a@x.test", "b@x.test", "c@x.test"}
 
@@ -32,6 +39,8 @@ def view(**overrides: Any) -> DatabaseView:
         "suppressed_rows": set(),
         "zombies": [],
         "outcomes_audited": 3,
+        "addressee": {"campaign:7:1": "a@x.test", "campaign:7:2": "b@x.test", "campaign:7:3": "c@x.test"}
+        | {"signup:1": "s@x.test", "signup:2": "t@x.test"},
     }
     base["counts"]["possible_duplicate"] = len(overrides.get("ledger", set()))
     # One re-sent attempt per job unless told, its ledger row written at 2.5: after the first copies
@@ -142,6 +151,27 @@ def test_an_idempotent_transport_allows_no_duplicate_at_all() -> None:
 def test_two_job_ids_for_one_person_is_a_silent_duplicate() -> None:
     v = verdict(arrivals(*EVERYONE, ("campaign:7:9", "A@x.test".lower())), db=view(ledger={"campaign:7:1"}))
     assert "SMTP: every duplicate is in the possible_duplicate ledger" in broken(v)
+
+
+@pytest.mark.parametrize("idempotent", [False, True])
+def test_a_message_that_reached_someone_else_is_astray(idempotent: bool) -> None:
+    """Counted per address, a swap (a gets b's message, b gets a's) and a fan-out (a's message to b as
+    well, b's own never sent) look like everyone once: only whom each job is for tells."""
+    a, b, c = EVERYONE
+    swapped = arrivals((a[0], b[1]), (b[0], a[1]), c)
+    assert broken(verdict(swapped, idempotent=idempotent)) == ["every message reached the person its job is for"]
+    fanned = arrivals(a, (a[0], b[1]), c)
+    assert "every message reached the person its job is for" in broken(
+        verdict(fanned, idempotent=idempotent, explained=Counter({a[0]: 1}), unpinned=24)
+    )
+    # A signup's window is one person's whatever its generation; another window's mail is not theirs.
+    expect = Expectation(7, set(PEOPLE), signups={"s@x.test", "t@x.test"}, duplicate_bound=4)
+    ok = arrivals(*EVERYONE, ("signup:1:3", "s@x.test"), ("signup:2:1", "t@x.test"))
+    assert broken(judge(ok, expect, view(), idempotent=idempotent, zombies=[])) == []
+    crossed = arrivals(*EVERYONE, ("signup:2:1", "s@x.test"), ("signup:1:3", "t@x.test"))
+    assert broken(judge(crossed, expect, view(), idempotent=idempotent, zombies=[])) == [
+        "every message reached the person its job is for"
+    ]
 
 
 def test_an_opt_out_before_the_claim_must_get_nothing() -> None:
@@ -275,3 +305,34 @@ def test_one_copy_is_credited_to_one_death_at_most() -> None:
     assert credit_copies([late], [second], [first]) == ([[]], [[job]])
     # each death's row explains one copy: two deaths need two copies
     assert credit_copies([late], [second], [first, first]) == ([[]], [[job], []])
+
+
+def test_a_restart_explains_only_the_jobs_it_caught_in_flight() -> None:
+    """Held just before the stop, or arriving while the server was away: those a restart can have left
+    sent and unrecorded. A re-send of a job recorded long before it is not the restart's doing."""
+    window = RestartWindow(frozenset({"campaign:7:1"}), began=10.0, ended=12.0)
+    got = [
+        Arrival("campaign:7:1", "a@x.test", 9.0, "main"),  # held at the stop: its record never came
+        Arrival("campaign:7:2", "b@x.test", 11.0, "main"),  # claimed after the question, sent meanwhile
+        Arrival("campaign:7:3", "c@x.test", 5.0, "main"),  # long recorded
+        Arrival("campaign:7:3", "c@x.test", 13.0, "main"),
+    ]
+    assert restart_jobs(window, got) == {"campaign:7:1", "campaign:7:2"}
+    assert restart_jobs(RestartWindow(None, 10.0, 12.0), got) is None
+    v = verdict(
+        arrivals(*EVERYONE, EVERYONE[2]),
+        db=view(ledger={"campaign:7:3"}, api_ledger={"campaign:7:3"}),
+        explained=Counter(restart_jobs(window, got) or ()),
+    )
+    assert broken(v) == ["SMTP: every duplicate follows a fault that hit its own job"]
+
+
+def test_an_http_message_without_its_job_id_header_is_nobodys() -> None:
+    """The provider's record names a job only by the message's own header, not by the key it came
+    with: a message that lost its header is a stranger to the verdict, as over SMTP."""
+    body = {"to": ["a@x.test"], "headers": {"Sendonce-Job-Id": "campaign:7:1"}}
+    assert AcceptedEmail("e1", "campaign:7:1", body, 0.0).job_id == "campaign:7:1"
+    bare = AcceptedEmail("e2", "campaign:7:1", {"to": ["a@x.test"]}, 0.0)
+    assert bare.job_id is None
+    v = verdict([*arrivals(*EVERYONE[1:]), Arrival(bare.job_id, "a@x.test", 9.0, "main")], idempotent=True)
+    assert "no mail to anyone who was not meant to get it" in broken(v)

@@ -185,6 +185,8 @@ class Harness:
         self.held_at_partitions: list[list[str]] = []
         """Per partition: the job ids the isolated worker held at the cut (whatever it had sent of
         them it could not record)."""
+        self.restart_windows: list[RestartWindow] = []
+        """Per database restart: what the workers held just before it, and when it began and ended."""
         self.sent_by_fleet = 0
         """Campaign messages the faulted fleet had delivered when it was stopped (not the drains')."""
         self.opt_outs_planned = 0
@@ -752,10 +754,42 @@ def within_victims_lease(kill: Witness, row: HeldRow, arrival: Arrival) -> bool:
     return row.claimed <= arrival.at <= row.until
 
 
+@dataclass(frozen=True, slots=True)
+class RestartWindow:
+    """One database restart as the verdict sees it: ``held``, the rows every worker held (claimed,
+    unrecorded) just before the server was stopped (None if it could not be asked); ``began`` (before
+    that question) and ``ended`` (the server answering again), on the inbox's clock."""
+
+    held: frozenset[str] | None
+    began: float
+    ended: float
+
+
+def held_by_all(url: str) -> frozenset[str] | None:
+    """Job ids of every row a worker holds (claimed, not recorded); None if the database cannot be asked."""
+    try:
+        with psycopg.connect(url, connect_timeout=2) as conn:
+            rows = conn.execute("SELECT job_id FROM sendonce.deliveries WHERE status = 'sending'").fetchall()
+    except psycopg.Error:
+        return None
+    return frozenset(str(r[0]) for r in rows)
+
+
+def restart_jobs(window: RestartWindow, arrivals: list[Arrival]) -> set[str] | None:
+    """Jobs a database restart can have left sent and unrecorded: those held just before it, and those
+    whose copy arrived while it went on (claimed after the question, sent before their record could be
+    made). A re-send of any other job is not the restart's doing. None if what was held is unknown."""
+    if window.held is None:
+        return None
+    during = {a.job_id for a in arrivals if a.job_id is not None and window.began <= a.at <= window.ended}
+    return set(window.held) | during
+
+
 def explained_copies(h: Harness) -> tuple[Counter[str], int]:
     """SMTP, job by job: how many re-sent copies of each job the faults injected can explain; and how
     many copies of any job the faults that cannot be pinned to jobs can (a kill whose victim's holdings
-    are not known: one per connection; a database restart: one per connection of every worker).
+    are not known: one per connection; a database restart whose workers' holdings are not known: one
+    per connection of every worker).
 
     A copy is explained by a fault that hit that very job: it was in flight (sent, not recorded) at a
     kill of its holder, it was held by the isolated worker at a partition's cut, or the inbox left
@@ -775,7 +809,13 @@ def explained_copies(h: Harness) -> tuple[Counter[str], int]:
     unpinned += c * (fleet.hook_kills["worker"] + fleet.hook_kills["isolated"] - len(fleet.held_at_hook_kills))
     for held in h.held_at_partitions:
         explained.update(held)
-    unpinned += c * h.options.workers * h.result.restarts
+    arrivals = h.sink.arrivals()
+    for window in h.restart_windows:
+        caught = restart_jobs(window, arrivals)
+        if caught is None:
+            unpinned += c * h.options.workers
+        else:
+            explained.update(caught)
     explained.update(h.sink.ambiguous())
     return explained, unpinned
 
@@ -790,12 +830,18 @@ def in_flight_bound(h: Harness, *, extra: int = 0) -> int:
     external += c * (fleet.external_kills - len(h.held_at_kills))  # kills made other ways, if any
     hook = sum(c if n is None else min(c, n) for n in h.in_flight_at_kills(hook=True))
     hook += c * (fleet.hook_kills["worker"] + fleet.hook_kills["isolated"] - len(fleet.held_at_hook_kills))
+    # A restart: at most one message per connection of every worker, and no more than it can explain.
+    arrivals = h.sink.arrivals()
+    restarts = 0
+    for window in h.restart_windows:
+        jobs = restart_jobs(window, arrivals)
+        restarts += c * h.options.workers if jobs is None else min(c * h.options.workers, len(jobs))
     sink = h.sink.fault_counts()
     return (
         external
         + hook
         + c * h.partitions
-        + c * h.options.workers * h.result.restarts
+        + restarts
         + sink["dropped_after_data"]
         + sink["slow"]  # past the client's timeout (a delay it waits out is "late": no re-send)
         + sink["late_given_up"]  # meant to be waited out, but the client's deadline came first

@@ -72,6 +72,10 @@ class DatabaseView:
     uncertain_suppressed: set[str] = field(default_factory=set)
     """Among the suppressed rows, those an earlier attempt of which may have reached the recipient
     (counted in ``possibly_delivered``): a delivery there is expected, not a mismatch."""
+    addressee: dict[str, str] | None = None
+    """Whom each job is for (its address key), by :func:`person_of` of its job id: a campaign's job
+    names its subscriber, a signup's its signup window. Read from the subscribers and signups the
+    run created, not from the deliveries that sent the mail; None: not checked."""
 
 
 @dataclass
@@ -136,6 +140,16 @@ def read_database(
             ).fetchall()
         ]
         audited = conn.execute("SELECT count(*) FROM chaos.outcomes").fetchone()
+        addressee = {
+            str(job): str(key)
+            for job, key in conn.execute(
+                "SELECT 'campaign:' || %s::bigint || ':' || subscriber_id, email_key FROM sendonce.subscribers "
+                "WHERE account_id = %s UNION ALL "
+                "SELECT 'signup:' || w.window_id, s.email_key FROM sendonce.signup_windows w "
+                "JOIN sendonce.signups s USING (account_id, signup_id) WHERE w.account_id = %s",
+                (campaign_id, account_id, account_id),
+            ).fetchall()
+        }
     return DatabaseView(
         status=str(api_view["status"]),
         counts={k: int(v) for k, v in (api_view.get("counts") or {}).items()},
@@ -147,7 +161,16 @@ def read_database(
         uncertain_suppressed=uncertain_suppressed,
         zombies=zombies,
         outcomes_audited=int(audited[0]) if audited else 0,
+        addressee=addressee,
     )
+
+
+def person_of(job_id: str) -> str:
+    """The part of a job id that names whom it is for: all of a campaign's (campaign and subscriber),
+    a signup's window without its generation (each new generation of a window is the same person's)."""
+    if job_id.startswith("signup:"):
+        return ":".join(job_id.split(":")[:2])
+    return job_id
 
 
 def zombie_completions(outcomes: list[dict[str, Any]], pids: dict[str, int]) -> list[dict[str, Any]]:
@@ -251,6 +274,19 @@ def judge(
             if part
         ),
     )
+
+    # -- each message reached the person it was made for -----------------------------------------
+    if view.addressee is not None:
+        addressee = view.addressee
+        astray = sorted(
+            {
+                f"{a.job_id} (for {addressee.get(person_of(str(a.job_id)), 'nobody')}) to {a.recipient}"
+                for a in arrivals
+                if _scope(a.job_id) in (campaign_scope, "signup")
+                and addressee.get(person_of(str(a.job_id))) != a.recipient
+            }
+        )
+        verdict.add("every message reached the person its job is for", not astray, _sample("astray", astray))
 
     # -- duplicates ------------------------------------------------------------------------------
     recorded = unrecorded = 0

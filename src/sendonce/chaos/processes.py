@@ -330,9 +330,11 @@ class Fleet:
         if code is None or proc.killed_by_us or proc.stopped_by_us or proc.role not in LONG_RUNNING:
             return False
         if code == -signal.SIGKILL:
-            self.hook_kills[proc.role] += 1
-            self._hook_death(proc)
             proc.killed_by_us = True  # accounted for
+            if self._hook_death(proc):
+                self.hook_kills[proc.role] += 1
+            else:  # not the fault hook (it writes its note first): the OOM killer, say, or another hand
+                self.crashes.append(f"{proc.role} pid {proc.pid} was SIGKILLed without the fault hook's note")
             return True
         if code == 0 and proc.role == "drain":
             return False

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import psycopg
 
 from sendonce.chaos.database import RestartNotAllowed, proxy_target, through_proxy
-from sendonce.chaos.harness import Context, Harness, Result, in_flight_bound
+from sendonce.chaos.harness import Context, Harness, RestartWindow, Result, held_by_all, in_flight_bound
 from sendonce.chaos.invariants import Check
 from sendonce.chaos.processes import Proc
 from sendonce.chaos.sinks import ResendSink, SmtpSink, address_key
@@ -208,11 +208,14 @@ def restart(ctx: Context, transport: str) -> Result:
 
         def restart_once(i: int) -> None:
             down = outages[i % len(outages)] if ctx.server.embedded is not None else 0.0
+            began = time.time()
+            held = held_by_all(h.url)
             try:
                 took = ctx.server.restart(down)
             except RestartNotAllowed as exc:
                 h.result.notes.append(str(exc))
                 return
+            h.restart_windows.append(RestartWindow(held, began, time.time()))
             h.result.restarts += 1
             h.result.notes.append(f"restart {i + 1}: PostgreSQL away {took:.1f}s")
 

@@ -49,7 +49,8 @@ class AcceptedEmail:
     @property
     def job_id(self) -> str | None:
         headers = self.body.get("headers") or {}
-        return headers.get("Sendonce-Job-Id") or self.idempotency_key
+        value = headers.get("Sendonce-Job-Id") if isinstance(headers, dict) else None
+        return value if isinstance(value, str) else None
 
 
 @dataclass
