@@ -11,6 +11,7 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urljoin
@@ -19,7 +20,8 @@ import httpx
 import psycopg
 import pytest
 
-from sendonce.delivery.compose import Links
+from sendonce.delivery.compose import Links, compile_campaign
+from sendonce.delivery.render import TemplateError
 from sendonce.delivery.worker import Worker, WorkerConfig
 from sendonce.domain.keys import KeyRing
 from sendonce.store import feedback
@@ -879,6 +881,78 @@ async def test_a_missing_dkim_key_pauses_the_campaign_instead_of_failing_it_or_s
     await run_to_drain(database_url, transport_from_url(inbox.url), config, composer=shared)
     assert inbox.by_recipient() == dict.fromkeys(addresses, 1)
     assert all("DKIM-Signature" in m.parsed() for m in inbox.messages)
+    assert client.get(f"/v1/campaigns/{cid}", headers=auth).json()["status"] == "sent"
+
+
+async def test_a_campaign_the_worker_cannot_compile_pauses_saying_why(
+    database_url: str, client: httpx.Client, inbox: Inbox
+) -> None:
+    # Content the API checked, that this worker's compiler refuses (a newer release's tighter limits,
+    # say: simulated by changing the stored text). Every row would fail alike, and used to, each with
+    # "campaign N could not be loaded" and the reason only in the log: the campaign pauses, saying why.
+    body = client.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
+    auth = {"Authorization": f"Bearer {body['api_key']}"}
+    addresses = emails(3)
+    cid = _campaign_via_api(client, auth, addresses)
+    with psycopg.connect(database_url) as conn:
+        conn.execute("UPDATE sendonce.campaigns SET text_body = 'Hi {{ email' WHERE campaign_id = %s", (cid,))
+    config = WorkerConfig(tick=0.2, lease=5, drain=True, backoff_base=0.05, backoff_cap=0.2, max_failures=2)
+    shared = composer()
+    await run_to_drain(database_url, transport_from_url(inbox.url), config, composer=shared)
+    assert inbox.messages == []
+    shown = client.get(f"/v1/campaigns/{cid}", headers=auth).json()
+    assert shown["status"] == "paused", shown
+    assert f"campaign {cid} cannot be compiled: text: template syntax error" in shown["paused_reason"], shown
+    assert shown["counts"]["failed"] == 0 and shown["counts"]["queued"] == 3, shown
+
+    with psycopg.connect(database_url) as conn:
+        conn.execute("UPDATE sendonce.campaigns SET text_body = 'Hi {{ email }}' WHERE campaign_id = %s", (cid,))
+    assert client.post(f"/v1/campaigns/{cid}/resume", headers=auth).status_code == 200
+    await run_to_drain(database_url, transport_from_url(inbox.url), config, composer=shared)
+    assert inbox.by_recipient() == dict.fromkeys(addresses, 1)
+    assert client.get(f"/v1/campaigns/{cid}", headers=auth).json()["status"] == "sent"
+
+
+def _deepest_nesting_that_compiles_on_a_fresh_thread() -> int:
+    def compiles(n: int) -> bool:
+        try:
+            compile_campaign(subject="Hi", text="{{ " + "(" * n + "email" + ")" * n + " }}", html=None)
+        except TemplateError:
+            return False
+        return True
+
+    with ThreadPoolExecutor(1) as pool:
+        n = 1
+        while pool.submit(compiles, n + 1).result():
+            n += 1
+            assert n < 10_000
+    return n
+
+
+async def test_a_template_nested_as_deeply_as_the_api_accepts_compiles_in_the_worker(
+    database_url: str, client: httpx.Client, inbox: Inbox
+) -> None:
+    # How deep a template may nest before the compiler's recursion gives out depends on the stack it
+    # starts from. The API checks on a thread of its own; the worker compiled on its event loop, under
+    # its coroutines, and refused what the API had accepted (every row failed). Both compile alike now.
+    deepest = _deepest_nesting_that_compiles_on_a_fresh_thread() - 1  # a level of room for the frames around
+    body = client.post("/v1/accounts", json={"name": "a", "from_email": "news@acme.test"}, headers=ADMIN).json()
+    auth = {"Authorization": f"Bearer {body['api_key']}"}
+    lst = client.post("/v1/lists", json={"name": "news"}, headers=auth).json()["id"]
+    addresses = emails(2)
+    client.post(
+        "/v1/subscribers", json={"subscribers": [{"email": a, "lists": [lst]} for a in addresses]}, headers=auth
+    )
+    text = "Hi {{ " + "(" * deepest + "email" + ")" * deepest + " }}"
+    made = client.post(
+        "/v1/campaigns", json={"name": "n", "subject": "Hello", "text": text, "lists": [lst]}, headers=auth
+    )
+    assert made.status_code == 201, made.text
+    cid = made.json()["id"]
+    assert client.post(f"/v1/campaigns/{cid}/approve", headers=auth).status_code == 200
+    config = WorkerConfig(tick=0.2, lease=5, drain=True, backoff_base=0.05, backoff_cap=0.2, max_failures=2)
+    await run_to_drain(database_url, transport_from_url(inbox.url), config)
+    assert inbox.by_recipient() == dict.fromkeys(addresses, 1)
     assert client.get(f"/v1/campaigns/{cid}", headers=auth).json()["status"] == "sent"
 
 

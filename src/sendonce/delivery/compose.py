@@ -6,6 +6,7 @@ variable parts are rendered and a few header lines written.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -214,6 +215,9 @@ class Composer:
     def __init__(self, transactional: dict[str, TransactionalComposer] | None = None, *, links: Links) -> None:
         self.links = links
         self._campaigns: dict[tuple[int, int], CampaignContent] = {}
+        self._uncompiled: dict[tuple[int, int], str] = {}
+        """Campaigns whose content would not compile here, with the reason: tried again at each batch
+        (a resumed campaign meets a worker that may compile it now)."""
         self._senders: dict[int, tuple[float, Sender]] = {}
         self._transactional = dict(transactional or {})
         self._date = _DateCache()
@@ -271,14 +275,20 @@ class Composer:
             if campaign is None:
                 continue
             try:
-                subject, text, html = compile_campaign(
-                    subject=campaign.subject, text=campaign.text_body, html=campaign.html_body
+                # On a thread of its own, as the API's check did: how deep a template may nest before the
+                # compiler's recursion gives out depends on the stack it starts from (and a big
+                # template's compile must not hold up the event loop, its renewals among it).
+                subject, text, html = await asyncio.to_thread(
+                    compile_campaign, subject=campaign.subject, text=campaign.text_body, html=campaign.html_body
                 )
             except Exception as exc:
-                # Checked when the campaign was created; if it fails now, each row fails with the reason
-                # (and one campaign's content never stops the worker).
-                logger.error("campaign %s cannot be compiled: %s", campaign.campaign_id, exc)
+                # Checked when the campaign was created, so not this recipient's fault: every row would
+                # fail alike. Composing waits (the campaign pauses with this reason, see the worker),
+                # and one campaign's content never stops the worker.
+                self._uncompiled[key] = f"campaign {campaign.campaign_id} cannot be compiled: {exc}"
+                logger.error("%s", self._uncompiled[key])
                 continue
+            self._uncompiled.pop(key, None)
             envelope_from, _ = wire_address(campaign.from_email)
             content = CampaignContent(
                 account_id=campaign.account_id,
@@ -311,8 +321,12 @@ class Composer:
 
     def _compose_campaign(self, delivery: ClaimedDelivery) -> OutgoingMessage:
         assert delivery.campaign_id is not None
-        content = self._campaigns.get((delivery.account_id, delivery.campaign_id))
+        key = (delivery.account_id, delivery.campaign_id)
+        content = self._campaigns.get(key)
         if content is None:
+            uncompiled = self._uncompiled.get(key)
+            if uncompiled is not None:
+                raise ComposeLater(uncompiled)
             raise ComposeError(f"campaign {delivery.campaign_id} could not be loaded")
         recipient, smtputf8 = wire_address(delivery.email)
         assert delivery.subscriber_id is not None
