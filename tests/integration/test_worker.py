@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import threading
 import time
 from collections import Counter
@@ -1399,3 +1400,16 @@ async def test_a_listener_whose_connection_went_silent_connects_again(
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await listener
+
+
+def test_a_lease_that_cuts_the_transports_timeout_is_named_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    # a send must end before its lease does: with --lease 1 every send had about 0.6 s, whatever
+    # ?timeout= said, and a relay answering in a second was given up on (and, over SMTP, sent again)
+    transport = transport_from_url("smtp://127.0.0.1:2525?timeout=30")
+    with caplog.at_level(logging.WARNING, logger="sendonce"):
+        Worker("postgresql://unused", transport, WorkerConfig(lease=1), composer=composer())._warn_of_short_sends()
+        Worker("postgresql://unused", transport, WorkerConfig(lease=30), composer=composer())._warn_of_short_sends()
+        short = transport_from_url("smtp://127.0.0.1:2525?timeout=1")
+        Worker("postgresql://unused", short, WorkerConfig(lease=2), composer=composer())._warn_of_short_sends()
+    [warning] = [r.getMessage() for r in caplog.records if getattr(r, "action", None) == "short_sends"]
+    assert "a 1s lease cuts each send to about 0.6s" in warning and "--lease 49 or more" in warning, warning

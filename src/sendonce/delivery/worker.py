@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 import signal
@@ -345,6 +346,25 @@ class Worker:
         self._build_wanted.set()
         self._wake_lanes.set()
 
+    def _warn_of_short_sends(self) -> None:
+        """A send must end before its lease does, so the lease, not the transport's timeout, may be what
+        bounds a slow server's answer: say so when it cuts that timeout by more than half."""
+        config = self.config
+        settings = getattr(self.transport, "settings", None)
+        timeout = getattr(settings, "timeout", None)
+        # a send starts with at least two thirds of the lease left when renewals keep up
+        longest = min(config.send_timeout, config.lease * 2 / 3 - config.margin * 0.2)
+        if isinstance(timeout, int | float) and longest < min(timeout, config.send_timeout) / 2:
+            logger.warning(
+                "a %.0fs lease cuts each send to about %.1fs (the transport's timeout is %gs): a slower answer "
+                "is given up, and over SMTP the message may be sent again (in the ledger); use --lease %.0f or more",
+                config.lease,
+                longest,
+                timeout,
+                math.ceil(min(timeout, config.send_timeout) / (2 / 3 - 0.05)),
+                extra={"action": "short_sends"},
+            )
+
     async def run(self) -> WorkerStats:
         self._running_loop = asyncio.get_running_loop()
         logger.info(
@@ -356,6 +376,7 @@ class Worker:
             self.config.lease,
             extra={"action": "start"},
         )
+        self._warn_of_short_sends()
         await self.transport.start()
         channels = [self.transport.channel() for _ in range(self.config.concurrency)]
         self._channels = channels

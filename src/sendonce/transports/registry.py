@@ -45,6 +45,10 @@ def _flag(url: str, params: dict[str, str], name: str) -> bool:
     raise TransportConfigError(f"{name} must be true or false in {_redact(url)!r}, not {value!r}")
 
 
+MAX_TIMEOUT = 3600.0
+"""Seconds: a ``?timeout=`` beyond an hour is a typo (the send is also bounded by the lease)."""
+
+
 def transport_from_url(url: str, *, concurrency: int = 10) -> Transport:
     try:
         parts = urlsplit(url)
@@ -63,6 +67,10 @@ def transport_from_url(url: str, *, concurrency: int = 10) -> Transport:
         timeout = float(params.get("timeout", "30"))
     except ValueError:
         raise TransportConfigError(f"timeout must be a number of seconds in {_redact(url)!r}") from None
+    if not 0 < timeout <= MAX_TIMEOUT:  # NaN too: a worker with no time to send sends nothing, silently
+        raise TransportConfigError(
+            f"timeout must be more than 0 and at most {MAX_TIMEOUT:g} seconds in {_redact(url)!r}, not {timeout:g}"
+        )
     host = parts.hostname
     username = unquote(parts.username) if parts.username else None
     password = unquote(parts.password) if parts.password else None
