@@ -161,6 +161,11 @@ def _upgrade(url: str, *, wait: float = 30.0) -> list[str]:
             return [f"{m.version:04d}_{m.name}" for m in upgrade(url)]
         except psycopg.OperationalError as exc:
             if time.monotonic() > deadline:
+                if isinstance(exc, psycopg.errors.LockNotAvailable):
+                    raise SendonceError(
+                        f"the migrations could not lock a table they change (another session holds it: "
+                        f"a long transaction?); nothing was changed: {exc}"
+                    ) from exc
                 raise SendonceError(f"cannot reach PostgreSQL: {exc}") from exc
             time.sleep(delay)
             delay = min(delay * 2, 2.0)

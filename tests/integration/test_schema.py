@@ -206,3 +206,26 @@ def test_0008_marks_give_ups_of_unknown_ambiguity_as_possibly_delivered(empty_da
     with psycopg.connect(empty_database_url) as conn:
         rows = conn.execute("SELECT job_id, uncertain FROM sendonce.deliveries ORDER BY job_id").fetchall()
     assert rows == [("message:1:0", True), ("message:1:1", False), ("message:1:2", False)]
+
+
+@pytest.mark.timeout(60)
+def test_an_upgrade_that_cannot_lock_its_table_gives_up_instead_of_stopping_everyone(empty_database_url: str) -> None:
+    # A waiting ALTER queues every later query on its table behind it: an upgrade run beside a long
+    # transaction stopped the API and the workers for as long as that transaction lasted.
+    from sendonce.store.migrations import Migration, _upgrade
+
+    upgrade(empty_database_url)
+    later = Migration(9999, "a_new_column", "ALTER TABLE sendonce.accounts ADD COLUMN extra integer;")
+    with psycopg.connect(empty_database_url) as long_one, psycopg.connect(empty_database_url) as conn:
+        long_one.execute("SELECT count(*) FROM sendonce.accounts").fetchone()  # its transaction stays open
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            _upgrade(conn, [*available_migrations(), later], lock_timeout=0.2)
+        long_one.rollback()
+    with psycopg.connect(empty_database_url) as conn:
+        columns = conn.execute(
+            "SELECT count(*) FROM information_schema.columns WHERE table_schema = 'sendonce' "
+            "AND table_name = 'accounts' AND column_name = 'extra'"
+        ).fetchone()
+        versions = conn.execute("SELECT max(version) FROM sendonce_meta.schema_migrations").fetchone()
+    assert columns == (0,) and versions is not None and versions[0] < 9999  # nothing half-applied
+    assert upgrade(empty_database_url) == []  # the real migrations: current, nothing to wait for

@@ -65,7 +65,14 @@ CREATE TABLE IF NOT EXISTS sendonce_meta.schema_migrations (
 """
 
 
-def upgrade(conninfo: str) -> list[Migration]:
+LOCK_TIMEOUT = 5.0
+"""Seconds a migration's statement waits for a table's lock (after the upgrade's own advisory lock)
+before it gives up. A waiting ALTER queues every later query on its table behind it, so an upgrade
+run beside a long transaction would stop the API and the workers while it waits; it fails instead,
+leaving the schema as it was, and is retried."""
+
+
+def upgrade(conninfo: str, *, lock_timeout: float = LOCK_TIMEOUT) -> list[Migration]:
     """Bring the schema up to date; returns the migrations applied (empty when it was current)."""
     migrations = available_migrations()
     with psycopg.connect(conninfo, autocommit=False) as conn:
@@ -73,12 +80,16 @@ def upgrade(conninfo: str) -> list[Migration]:
         # the first snapshot, and in REPEATABLE READ the rest would read it too, blind to what the
         # upgrade before this one applied while this one waited (it would apply it again).
         conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-        return _upgrade(conn, migrations)
+        return _upgrade(conn, migrations, lock_timeout=lock_timeout)
 
 
-def _upgrade(conn: psycopg.Connection[tuple[Any, ...]], migrations: list[Migration]) -> list[Migration]:
+def _upgrade(
+    conn: psycopg.Connection[tuple[Any, ...]], migrations: list[Migration], *, lock_timeout: float | None = None
+) -> list[Migration]:
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK_KEY,))
+        if lock_timeout is not None:  # set after the advisory lock: waiting for another upgrade is fine
+            conn.execute(f"SET LOCAL lock_timeout = {max(int(lock_timeout * 1000), 1)}")
         exists = conn.execute("SELECT to_regclass('sendonce_meta.schema_migrations') IS NOT NULL").fetchone()
         applied: dict[int, str] = {}
         if exists and exists[0]:
