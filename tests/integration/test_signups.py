@@ -418,6 +418,54 @@ async def test_verify_once_twice_forged_and_expired(database_url: str, inbox: In
             )
 
 
+async def test_verifying_after_an_unsubscribe_rejoins_only_when_the_mail_was_asked_for_after_it(
+    client: httpx.Client, database_url: str, inbox: Inbox
+) -> None:
+    # Someone who unsubscribed, then signed up again and confirmed from their mailbox, has chosen to come
+    # back: they used to be told "verified" and stay unsubscribed (and a later signup answered
+    # not_needed, so nothing could bring them back). An unsubscribe after the request (an old link
+    # clicked later) still wins, and so does a bounce.
+    aid, auth = account(client)
+    list_id = client.post("/v1/lists", json={"name": "members"}, headers=auth).json()["id"]
+    client.patch("/v1/account", json={"signup_list_id": list_id}, headers=auth)
+
+    def make(email: str, status: str) -> None:
+        with psycopg.connect(database_url) as conn:
+            row = conn.execute(
+                "INSERT INTO sendonce.subscribers (account_id, email, email_key, status) VALUES (%s, %s, %s, %s) "
+                "RETURNING subscriber_id",
+                (aid, email, email, status),
+            ).fetchone()
+            assert row is not None
+            membership = "confirmed" if status == "bounced" else status  # a bounce is the mailbox's
+            conn.execute(
+                "INSERT INTO sendonce.list_members (account_id, list_id, subscriber_id, status) "
+                "VALUES (%s, %s, %s, %s)",
+                (aid, list_id, row[0], membership),
+            )
+
+    def statuses(email: str) -> tuple[str, str] | None:
+        with psycopg.connect(database_url) as conn:
+            return conn.execute(  # type: ignore[return-value]
+                "SELECT s.status::text, m.status::text FROM sendonce.subscribers s "
+                "JOIN sendonce.list_members m USING (account_id, subscriber_id) WHERE s.email_key = %s",
+                (email,),
+            ).fetchone()
+
+    make("back@example.test", "unsubscribed")  # left, then asks again
+    make("bounced@example.test", "bounced")
+    assert signup(client, auth, email="back@example.test").status_code == 201
+    assert signup(client, auth, email="bounced@example.test").status_code == 201
+    assert signup(client, auth, email="changed@example.test").status_code == 201
+    make("changed@example.test", "unsubscribed")  # asked, then left (an import of their opt-out, say)
+    await send_all(database_url, inbox)
+    for message in inbox.messages:
+        assert client.post("/v1/signups/verify", json={"token": verify_link(message)}).status_code == 200
+    assert statuses("back@example.test") == ("confirmed", "confirmed")
+    assert statuses("bounced@example.test") == ("bounced", "confirmed")  # still no campaign: it bounced
+    assert statuses("changed@example.test") == ("unsubscribed", "unsubscribed")
+
+
 async def test_rotating_the_secret_neither_reopens_nor_breaks_windows(database_url: str, inbox: Inbox) -> None:
     new_secret = "rotated-secret-abcdefghijklmnop"
     with (

@@ -249,15 +249,33 @@ async def verify_signup(conn: Conn, payload: dict[str, Any]) -> VerifyOutcome:
             return VerifyOutcome(signup_id, True, current["redirect_url"])
         account = await get_account(conn, aid)
         assert account is not None
+        asked_at = None
+        window_id = payload.get("w")
+        if isinstance(window_id, int) and not isinstance(window_id, bool):
+            window = await _one(
+                conn, "window_asked_at", {"account_id": aid, "window_id": window_id, "signup_id": signup_id}
+            )
+            asked_at = window["opened_at"] if window is not None else None
         subscriber = await _one(
             conn,
             "confirm_subscriber",
-            {"account_id": aid, "email": row["email"], "email_key": row["email_key"], "name": row["name"]},
+            {
+                "account_id": aid,
+                "email": row["email"],
+                "email_key": row["email_key"],
+                "name": row["name"],
+                "asked_at": asked_at,
+            },
         )
         assert subscriber is not None
         if account.signup_list_id is not None:
             await conn.execute(
                 query("confirm_membership"),
-                {"account_id": aid, "list_id": account.signup_list_id, "subscriber_id": subscriber["subscriber_id"]},
+                {
+                    "account_id": aid,
+                    "list_id": account.signup_list_id,
+                    "subscriber_id": subscriber["subscriber_id"],
+                    "asked_at": asked_at,
+                },
             )
         return VerifyOutcome(signup_id, False, row["redirect_url"])

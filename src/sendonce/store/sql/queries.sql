@@ -791,6 +791,12 @@ UPDATE sendonce.signups
  WHERE account_id = %(account_id)s AND signup_id = %(signup_id)s AND status = 'pending'
 RETURNING signup_id, email, email_key, name, redirect_url, status;
 
+-- window_asked_at --
+-- When the signup window a verification link names was last asked for (its latest request that
+-- queued a mail). No row: not this signup's window.
+SELECT opened_at FROM sendonce.signup_windows
+ WHERE account_id = %(account_id)s AND window_id = %(window_id)s AND signup_id = %(signup_id)s;
+
 -- get_signup --
 -- One signup.
 SELECT signup_id, email, email_key, name, origin, redirect_url, status, verified_at
@@ -798,22 +804,29 @@ SELECT signup_id, email, email_key, name, origin, redirect_url, status, verified
  WHERE account_id = %(account_id)s AND signup_id = %(signup_id)s;
 
 -- confirm_subscriber --
--- A verified signup becomes a confirmed subscriber; an existing one who unsubscribed or bounced is
--- left as they are (their choice, or their mailbox, wins).
+-- A verified signup becomes a confirmed subscriber. One who unsubscribed before asking for this
+-- verification mail (%(asked_at)s, the signup window's request) has confirmed from their mailbox since:
+-- confirmed again. One who unsubscribed after it (an old link clicked) or bounced is left as they are
+-- (their latest choice, or their mailbox, wins); so is anyone when asked_at is NULL.
 INSERT INTO sendonce.subscribers AS s (account_id, email, email_key, name, status)
 VALUES (%(account_id)s, %(email)s, %(email_key)s, %(name)s, 'confirmed')
 ON CONFLICT (account_id, email_key) DO UPDATE
-   SET status = CASE WHEN s.status = 'pending' THEN 'confirmed' ELSE s.status END,
+   SET status = CASE WHEN s.status = 'pending' THEN 'confirmed'
+                     WHEN s.status = 'unsubscribed' AND s.updated_at < %(asked_at)s THEN 'confirmed'
+                     ELSE s.status END,
        name = coalesce(s.name, EXCLUDED.name),
        updated_at = now()
 RETURNING subscriber_id;
 
 -- confirm_membership --
--- A confirmed membership of the list; a pending one is confirmed, an unsubscribed one left alone.
+-- A confirmed membership of the list; a pending one is confirmed, an unsubscribed one too if it was
+-- left before the verification mail was asked for (as confirm_subscriber), else left alone.
 INSERT INTO sendonce.list_members AS m (account_id, list_id, subscriber_id, status)
 VALUES (%(account_id)s, %(list_id)s, %(subscriber_id)s, 'confirmed')
 ON CONFLICT (account_id, list_id, subscriber_id) DO UPDATE
-   SET status = CASE WHEN m.status = 'pending' THEN 'confirmed' ELSE m.status END,
+   SET status = CASE WHEN m.status = 'pending' THEN 'confirmed'
+                     WHEN m.status = 'unsubscribed' AND m.updated_at < %(asked_at)s THEN 'confirmed'
+                     ELSE m.status END,
        updated_at = now();
 
 -- enqueue_message --
