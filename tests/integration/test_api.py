@@ -413,6 +413,10 @@ def _forged_links_are_refused(c: httpx.Client) -> None:
     _problem(c.post("/v1/accounts", json={"name": "x", "from_email": "a@b.test"}, headers=wrong), 401)
     _problem(c.put("/v1/accounts/1/dkim", json=None, headers=wrong), 401)
     _problem(c.post("/v1/webhooks/generic", content=b'[{"type": "hard_bounce"}]'), 401)
+    # no API key, or one that is not shaped like one: 401 (fix the client), not 503 (retry)
+    _problem(c.post("/v1/signups", json={"email": "a@b.test", "origin": "web"}), 401)
+    _problem(c.post("/v1/lists", json={"name": "x"}, headers={"Authorization": "Basic eDp5"}), 401)
+    _problem(c.get("/v1/account", headers={"Authorization": "Bearer sk_1_short"}), 401)
 
 
 def test_a_database_that_stops_answering_gets_a_503_within_the_deadline(database_url: str) -> None:

@@ -12,7 +12,7 @@ from fastapi import Depends, Request
 
 from sendonce.api.problems import Problem
 from sendonce.settings import Settings
-from sendonce.store.accounts import Account, authenticate
+from sendonce.store.accounts import Account, authenticate, split_api_key
 from sendonce.store.database import Conn
 
 _BEARER = {"WWW-Authenticate": "Bearer"}
@@ -52,8 +52,20 @@ def _bearer(request: Request) -> str:
     return token.strip()
 
 
-async def current_account(request: Request, conn: Annotated[Conn, Depends(db)]) -> Account:
-    account = await authenticate(conn, _bearer(request))
+def api_key(request: Request) -> str:
+    """The request's API key, if it has the shape of one: checked before a connection is taken, so a
+    client without a key (or with a malformed one) is told 401 whether or not the database answers,
+    not 503 (retry), and takes no connection from the pool."""
+    key = _bearer(request)
+    if split_api_key(key) is None:
+        raise Problem(401, "invalid API key", headers=_BEARER)
+    return key
+
+
+async def current_account(
+    request: Request, key: Annotated[str, Depends(api_key)], conn: Annotated[Conn, Depends(db)]
+) -> Account:
+    account = await authenticate(conn, key)
     if account is None:
         raise Problem(401, "invalid API key", headers=_BEARER)
     request.state.account_id = account.account_id
