@@ -264,16 +264,23 @@ def worker(
     """Claim, send and record mail until stopped (SIGTERM: graceful)."""
     run = _loop_runner(loop)  # before anything is done: a loop that is not installed changes nothing
     from sendonce.delivery.worker import WorkerConfig, run_until_signalled
-    from sendonce.runtime import build_worker, feedback_policy, send_rates
+    from sendonce.runtime import build_transport, build_worker, feedback_policy, send_rates
 
     settings = _settings()
     url = _database_url(settings)
+    try:
+        # settings first: a bogus transport is told at once, not after a migration (or 30 s of waiting
+        # for a database that is down)
+        transport_rate, domain_rates = send_rates(settings)
+        build_transport(settings, concurrency=concurrency)
+    except (SendonceError, ValueError) as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
     if not upgrade_schema:
         _require_schema(url, unreachable_ok=True)
     try:
         if upgrade_schema:
             _upgrade(url)
-        transport_rate, domain_rates = send_rates(settings)
         config = WorkerConfig(
             concurrency=concurrency,
             batch_size=batch_size,

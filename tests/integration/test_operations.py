@@ -310,3 +310,17 @@ def test_a_second_demo_on_the_same_server_is_refused_while_the_first_runs(databa
         # the second demo is given another database of the same server: the lock is the server's
         done = sendonce("demo", "--subscribers", "10", url=database_url, home=tmp_path)
     assert "another sendonce demo is running" in one_line_error(done, 2)
+
+
+def test_a_worker_with_a_bogus_transport_says_so_before_touching_the_database(
+    empty_database_url: str, tmp_path: Path
+) -> None:
+    # it migrated first (or waited 30 s for a database that was down), then refused the setting
+    done = sendonce("worker", url=empty_database_url, home=tmp_path, timeout=20, SENDONCE_TRANSPORT_URL="bogus://x")
+    assert "unsupported transport 'bogus'" in one_line_error(done, 2)
+    with psycopg.connect(empty_database_url) as conn:
+        assert conn.execute("SELECT to_regclass('sendonce_meta.schema_migrations')").fetchone() == (None,)
+    down = sendonce(
+        "worker", url="postgresql://root@127.0.0.1:1/x", home=tmp_path, timeout=20, SENDONCE_TRANSPORT_URL="bogus://x"
+    )
+    assert "unsupported transport 'bogus'" in one_line_error(down, 2)
