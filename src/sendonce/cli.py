@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Coroutine
+from datetime import timedelta
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -391,6 +392,10 @@ def duplicates(
     Console().print(f"{len(rows)} entr{'y' if len(rows) == 1 else 'ies'}")
 
 
+MIN_PRUNE_AGE = timedelta(days=1)
+"""``outbox prune`` keeps at least a day of finished rows."""
+
+
 @outbox_app.command("prune")
 def outbox_prune(
     older_than: Annotated[str, typer.Option("--older-than", help="Age of the rows to remove, e.g. 90d.")],
@@ -415,6 +420,14 @@ def outbox_prune(
     except ValueError as exc:
         _error(f"--older-than: {exc}")
         raise typer.Exit(2) from None
+    if age < MIN_PRUNE_AGE:
+        # a bounce or a complaint is matched to its message's row: one that comes for a row removed
+        # already suppresses nobody
+        _error(
+            f"--older-than {older_than} is under a day: bounce and complaint reports arrive for days after a "
+            "send and find only the rows still kept (90d is usual)"
+        )
+        raise typer.Exit(2)
     settings = _settings()
     url = _database_url(settings)
     _require_schema(url)

@@ -199,3 +199,12 @@ async def test_prune_archives_and_deletes_only_finished_old_rows(database_url: s
         check=False,
     )
     assert bad.returncode == 2 and "--older-than" in bad.stderr
+    # a report that comes for a row removed already suppresses nobody: a day at least is kept
+    hasty = subprocess.run(
+        [sys.executable, "-m", "sendonce.cli", "outbox", "prune", "--older-than", "0s"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert hasty.returncode == 2 and "under a day" in hasty.stderr, hasty.stderr
