@@ -412,6 +412,11 @@ async def test_verify_once_twice_forged_and_expired(database_url: str, inbox: In
         time.sleep(3.2)
         expired = c.post("/v1/signups/verify", json={"token": late_token})
         assert expired.status_code == 400 and expired.json()["type"].endswith("token-expired")
+        # verifying twice answers 200 again, however old the link: it was "expired, ask again" (and
+        # asking again answered not_needed)
+        old = c.post("/v1/signups/verify", json={"token": token})
+        assert old.json() == {"signup_id": signup_id, "status": "verified", "already_verified": True}, old.text
+        assert c.post("/v1/signups/verify", data={"token": token}).status_code == 303
         with psycopg.connect(database_url) as conn:
             assert conn.execute("SELECT status FROM sendonce.signups WHERE signup_id = %s", (other,)).fetchone() == (
                 "pending",

@@ -234,6 +234,19 @@ class UnknownSignup(InvalidInput):
     """The link does not match any signup."""
 
 
+async def verified_already(conn: Conn, payload: dict[str, Any]) -> VerifyOutcome | None:
+    """The signup a genuine but expired link names, if it is verified already (verifying twice answers
+    the same, however old the link); None otherwise. Changes nothing."""
+    try:
+        aid, signup_id = int(payload["a"]), int(payload["s"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    current = await _one(conn, "get_signup", {"account_id": aid, "signup_id": signup_id})
+    if current is None or current["status"] != "verified":
+        return None
+    return VerifyOutcome(signup_id, True, current["redirect_url"])
+
+
 async def verify_signup(conn: Conn, payload: dict[str, Any]) -> VerifyOutcome:
     """Mark the signup verified and make the person a confirmed subscriber, atomically, idempotently."""
     try:

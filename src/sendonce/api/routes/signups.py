@@ -24,6 +24,7 @@ from sendonce.store.signups import (
     UnknownSignup,
     answer_outdated,
     request_signup,
+    verified_already,
     verify_signup,
 )
 
@@ -177,7 +178,8 @@ def _verify_payload(request: Request, token: str) -> dict[str, object]:
 async def verify(request: Request) -> Response:
     """Verify a signup with the token of its link: JSON ``{token}``, or the form of the GET page.
 
-    Idempotent: verifying twice answers 200 again. A forged or expired token is a 400.
+    Idempotent: verifying twice answers 200 again, even once the link has expired. A forged token is
+    a 400; so is an expired one whose signup is not verified.
     """
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     human = content_type == "application/x-www-form-urlencoded"
@@ -201,12 +203,25 @@ async def _verify(request: Request, *, human: bool) -> Response:
             token = VerifyIn.model_validate_json(await request.body()).token
         except ValueError:
             raise Problem(422, 'send a JSON body {"token": "..."}') from None
-    payload = _verify_payload(request, token)  # before a connection: a forged token is a 400, database or not
     try:
+        payload = _verify_payload(request, token)  # before a connection: a forged token is a 400, database or not
+    except Problem as exc:
+        if exc.kind != "token-expired":
+            raise
+        # genuine, only old: someone verified already who clicks it again is told so, as on any repeat
         async with connection(request) as conn:
-            outcome = await verify_signup(conn, payload)
-    except UnknownSignup:
-        raise Problem(400, "this verification link is not valid", kind="token-invalid", title="Invalid link") from None
+            already = await verified_already(conn, services_of(request).keys.verify(VERIFY_PURPOSE, token))
+        if already is None:
+            raise
+        outcome = already
+    else:
+        try:
+            async with connection(request) as conn:
+                outcome = await verify_signup(conn, payload)
+        except UnknownSignup:
+            raise Problem(
+                400, "this verification link is not valid", kind="token-invalid", title="Invalid link"
+            ) from None
     if human:
         if outcome.redirect_url:
             return RedirectResponse(outcome.redirect_url, status_code=303)
