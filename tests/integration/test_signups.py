@@ -417,6 +417,8 @@ async def test_verify_once_twice_forged_and_expired(database_url: str, inbox: In
         old = c.post("/v1/signups/verify", json={"token": token})
         assert old.json() == {"signup_id": signup_id, "status": "verified", "already_verified": True}, old.text
         assert c.post("/v1/signups/verify", data={"token": token}).status_code == 303
+        page = c.get("/v1/signups/verify", params={"token": token})  # the link, opened again
+        assert page.status_code == 200 and "already confirmed" in page.text and "<form" not in page.text
         with psycopg.connect(database_url) as conn:
             assert conn.execute("SELECT status FROM sendonce.signups WHERE signup_id = %s", (other,)).fetchone() == (
                 "pending",
@@ -469,6 +471,32 @@ async def test_verifying_after_an_unsubscribe_rejoins_only_when_the_mail_was_ask
     assert statuses("back@example.test") == ("confirmed", "confirmed")
     assert statuses("bounced@example.test") == ("bounced", "confirmed")  # still no campaign: it bounced
     assert statuses("changed@example.test") == ("unsubscribed", "unsubscribed")
+
+    # An address suppressed meanwhile (a complaint) is not confirmed again: lifting the suppression later
+    # must not bring back what the complaint ended.
+    make("complained@example.test", "unsubscribed")
+    assert signup(client, auth, email="complained@example.test").status_code == 201
+    await send_all(database_url, inbox)
+    link = verify_link(next(m for m in inbox.messages if "complained@" in m.rcpt_to[0]))
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "INSERT INTO sendonce.suppressions (account_id, email_key, email, reason) VALUES (%s, %s, %s, 'complaint')",
+            (aid, "complained@example.test", "complained@example.test"),
+        )
+    assert client.post("/v1/signups/verify", json={"token": link}).status_code == 200
+    assert statuses("complained@example.test") == ("unsubscribed", "unsubscribed")
+
+    # The link of an earlier mail is judged by when that mail was asked for, not by a later request's
+    # time (the window's row is rewritten at each new mail): asked, left, asked again, old link clicked.
+    client.patch("/v1/account", json={"signup_window": "1s"}, headers=auth)
+    assert signup(client, auth, email="old@example.test").status_code == 201
+    await send_all(database_url, inbox)
+    first_link = verify_link(next(m for m in inbox.messages if "old@" in m.rcpt_to[0]))
+    make("old@example.test", "unsubscribed")
+    time.sleep(1.2)  # the window runs out: the next request is a new mail
+    assert signup(client, auth, email="old@example.test").status_code == 201
+    assert client.post("/v1/signups/verify", json={"token": first_link}).status_code == 200
+    assert statuses("old@example.test") == ("unsubscribed", "unsubscribed")
 
 
 async def test_rotating_the_secret_neither_reopens_nor_breaks_windows(database_url: str, inbox: Inbox) -> None:

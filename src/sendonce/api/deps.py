@@ -52,7 +52,7 @@ def _bearer(request: Request) -> str:
     return token.strip()
 
 
-def api_key(request: Request) -> str:
+async def api_key(request: Request) -> str:
     """The request's API key, if it has the shape of one: checked before a connection is taken, so a
     client without a key (or with a malformed one) is told 401 whether or not the database answers,
     not 503 (retry), and takes no connection from the pool."""

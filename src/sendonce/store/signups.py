@@ -263,10 +263,12 @@ async def verify_signup(conn: Conn, payload: dict[str, Any]) -> VerifyOutcome:
         account = await get_account(conn, aid)
         assert account is not None
         asked_at = None
-        window_id = payload.get("w")
-        if isinstance(window_id, int) and not isinstance(window_id, bool):
+        window_id, generation = payload.get("w"), payload.get("g")
+        if all(isinstance(n, int) and not isinstance(n, bool) for n in (window_id, generation)):
             window = await _one(
-                conn, "window_asked_at", {"account_id": aid, "window_id": window_id, "signup_id": signup_id}
+                conn,
+                "window_asked_at",
+                {"account_id": aid, "window_id": window_id, "signup_id": signup_id, "generation": generation},
             )
             asked_at = window["opened_at"] if window is not None else None
         subscriber = await _one(
@@ -288,6 +290,7 @@ async def verify_signup(conn: Conn, payload: dict[str, Any]) -> VerifyOutcome:
                     "account_id": aid,
                     "list_id": account.signup_list_id,
                     "subscriber_id": subscriber["subscriber_id"],
+                    "email_key": row["email_key"],
                     "asked_at": asked_at,
                 },
             )

@@ -236,6 +236,11 @@ async def verify_page(request: Request, token: Annotated[str, Query(max_length=4
     try:
         _verify_payload(request, token)
     except Problem as exc:
+        if exc.kind == "token-expired":  # genuine, only old: someone verified already is told so
+            async with connection(request) as conn:
+                already = await verified_already(conn, services_of(request).keys.verify(VERIFY_PURPOSE, token))
+            if already is not None:
+                return HTMLResponse(_page("Address confirmed", "Your email address is already confirmed."))
         return HTMLResponse(_page("Link not valid", exc.detail), status_code=400)
     form = (
         '<form method="post" action="verify">'

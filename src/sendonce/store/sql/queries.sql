@@ -792,10 +792,12 @@ UPDATE sendonce.signups
 RETURNING signup_id, email, email_key, name, redirect_url, status;
 
 -- window_asked_at --
--- When the signup window a verification link names was last asked for (its latest request that
--- queued a mail). No row: not this signup's window.
+-- When the verification mail a link came in was asked for: its window's opening, if the window is
+-- still at the link's generation (a later request rewrites opened_at: the link of an earlier mail,
+-- clicked after an unsubscribe that came between, must not be judged by it). No row: not known.
 SELECT opened_at FROM sendonce.signup_windows
- WHERE account_id = %(account_id)s AND window_id = %(window_id)s AND signup_id = %(signup_id)s;
+ WHERE account_id = %(account_id)s AND window_id = %(window_id)s AND signup_id = %(signup_id)s
+   AND generation = %(generation)s;
 
 -- get_signup --
 -- One signup.
@@ -812,7 +814,10 @@ INSERT INTO sendonce.subscribers AS s (account_id, email, email_key, name, statu
 VALUES (%(account_id)s, %(email)s, %(email_key)s, %(name)s, 'confirmed')
 ON CONFLICT (account_id, email_key) DO UPDATE
    SET status = CASE WHEN s.status = 'pending' THEN 'confirmed'
-                     WHEN s.status = 'unsubscribed' AND s.updated_at < %(asked_at)s THEN 'confirmed'
+                     WHEN s.status = 'unsubscribed' AND s.updated_at < %(asked_at)s
+                          AND NOT EXISTS (SELECT 1 FROM sendonce.suppressions x
+                                           WHERE x.account_id = %(account_id)s AND x.email_key = %(email_key)s)
+                     THEN 'confirmed'
                      ELSE s.status END,
        name = coalesce(s.name, EXCLUDED.name),
        updated_at = now()
@@ -820,12 +825,17 @@ RETURNING subscriber_id;
 
 -- confirm_membership --
 -- A confirmed membership of the list; a pending one is confirmed, an unsubscribed one too if it was
--- left before the verification mail was asked for (as confirm_subscriber), else left alone.
+-- left before the verification mail was asked for (as confirm_subscriber), else left alone. Neither
+-- query confirms a suppressed address again (a complaint, say: lifting it later must not bring
+-- back a membership the complaint ended).
 INSERT INTO sendonce.list_members AS m (account_id, list_id, subscriber_id, status)
 VALUES (%(account_id)s, %(list_id)s, %(subscriber_id)s, 'confirmed')
 ON CONFLICT (account_id, list_id, subscriber_id) DO UPDATE
    SET status = CASE WHEN m.status = 'pending' THEN 'confirmed'
-                     WHEN m.status = 'unsubscribed' AND m.updated_at < %(asked_at)s THEN 'confirmed'
+                     WHEN m.status = 'unsubscribed' AND coalesce(m.unsubscribed_at, m.updated_at) < %(asked_at)s
+                          AND NOT EXISTS (SELECT 1 FROM sendonce.suppressions x
+                                           WHERE x.account_id = %(account_id)s AND x.email_key = %(email_key)s)
+                     THEN 'confirmed'
                      ELSE m.status END,
        updated_at = now();
 
