@@ -228,5 +228,7 @@ class ResendServer:
             return Counter(to for email in self.accepted for to in email.to)
 
     def by_job(self) -> Counter[str | None]:
+        """Accepted emails per job: the message's own header, or else the key it came with (another
+        sender's message, say). The chaos verdict reads the header alone (:attr:`AcceptedEmail.job_id`)."""
         with self._lock:
-            return Counter(email.job_id for email in self.accepted)
+            return Counter(email.job_id or email.idempotency_key for email in self.accepted)
