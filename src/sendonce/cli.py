@@ -149,6 +149,22 @@ def _require_schema(url: str, *, unreachable_ok: bool = False) -> None:
         logger.warning("cannot check the database's schema now: %s", _one_line(exc))
 
 
+_FOR_GOOD = ("does not exist", "password authentication failed", "no pg_hba.conf entry", "permission denied")
+"""libpq's words (the server's FATAL at connection, which carries no SQLSTATE through psycopg) for a
+refusal that waiting does not change: a database or role that is not there, a wrong password, a host
+the server does not let in."""
+
+
+def _refused_for_good(exc: BaseException) -> str | None:
+    """The server's FATAL line when it refused the connection for a reason waiting does not change."""
+    text = str(exc)
+    _, fatal, rest = text.partition("FATAL:")
+    if not fatal:
+        return None
+    line = rest.strip().splitlines()[0] if rest.strip() else ""
+    return line if any(words in line for words in _FOR_GOOD) else None
+
+
 def _upgrade(url: str, *, wait: float = 30.0) -> list[str]:
     """Apply migrations, waiting up to ``wait`` seconds for the server to accept connections."""
     import psycopg
@@ -161,6 +177,9 @@ def _upgrade(url: str, *, wait: float = 30.0) -> list[str]:
         try:
             return [f"{m.version:04d}_{m.name}" for m in upgrade(url)]
         except psycopg.OperationalError as exc:
+            refusal = _refused_for_good(exc)
+            if refusal is not None:  # the server answered, and will answer the same in 30 s
+                raise ConfigurationError(f"PostgreSQL refuses the connection: {refusal}") from exc
             if time.monotonic() > deadline:
                 if isinstance(exc, psycopg.errors.LockNotAvailable):
                     raise SendonceError(
@@ -190,7 +209,7 @@ def db_upgrade() -> None:
         applied = _upgrade(url)
     except SendonceError as exc:
         _error(str(exc))
-        raise typer.Exit(1) from None
+        raise typer.Exit(2 if isinstance(exc, ConfigurationError) else 1) from None
     if applied:
         console.print(f"applied: {', '.join(applied)}")
     else:
@@ -343,7 +362,7 @@ def api(
             _upgrade(url)
         except SendonceError as exc:
             _error(str(exc))
-            raise typer.Exit(1) from None
+            raise typer.Exit(2 if isinstance(exc, ConfigurationError) else 1) from None
     else:
         _require_schema(url, unreachable_ok=True)
     if workers == 1:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import psycopg
+import psycopg.conninfo
 import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -324,3 +325,17 @@ def test_a_worker_with_a_bogus_transport_says_so_before_touching_the_database(
         "worker", url="postgresql://root@127.0.0.1:1/x", home=tmp_path, timeout=20, SENDONCE_TRANSPORT_URL="bogus://x"
     )
     assert "unsupported transport 'bogus'" in one_line_error(down, 2)
+
+
+@pytest.mark.parametrize(
+    "command", [["db", "upgrade"], ["worker"], ["api", "--port", "0"]], ids=["upgrade", "worker", "api"]
+)
+def test_a_database_that_is_not_there_is_a_setting_to_fix_not_an_outage_to_wait_out(
+    command: list[str], database_url: str, tmp_path: Path
+) -> None:
+    # it was retried for 30 s like a server that is down, then exited 1 (a failure while running)
+    missing = psycopg.conninfo.make_conninfo(database_url, dbname="sendonce_no_such_database")
+    env = {"SENDONCE_TRANSPORT_URL": "smtp://127.0.0.1:1025", "SENDONCE_SECRET": "s3cret-for-tests-0123456789abcdef"}
+    done = sendonce(*command, url=missing, home=tmp_path, timeout=60, **env)
+    line = one_line_error(done, 2)
+    assert "PostgreSQL refuses the connection" in line and "does not exist" in line, line
