@@ -152,6 +152,10 @@ def test_scheduled_approval(client: httpx.Client) -> None:
     cid = client.post(
         "/v1/campaigns", json={"name": "n", "subject": "s", "text": "t", "lists": [lst]}, headers=auth
     ).json()["id"]
+    # a misspelled field was dropped, and the campaign approved to send at once
+    typo = _problem(client.post(f"/v1/campaigns/{cid}/approve", json={"scheduled_at": "2030-01-01"}, headers=auth), 422)
+    assert "scheduled_at" in str(typo), typo
+    assert client.get(f"/v1/campaigns/{cid}", headers=auth).json()["status"] == "draft"
     response = client.post(f"/v1/campaigns/{cid}/approve", json={"scheduled_for": "2030-01-01T09:00:00Z"}, headers=auth)
     assert response.status_code == 200
     assert response.json()["scheduled_for"].startswith("2030-01-01T09:00:00")

@@ -101,6 +101,9 @@ class CampaignIn(BaseModel):
 
 
 class ApproveIn(BaseModel):
+    # a misspelled field (scheduled_at) was dropped, and the campaign approved to send at once
+    model_config = ConfigDict(extra="forbid")
+
     scheduled_for: datetime | None = None
 
 
