@@ -738,6 +738,35 @@ async def test_a_campaign_with_too_many_bounces_pauses_itself(database_url: str,
     assert client.get(f"/v1/campaigns/{setup.campaign_id}", headers=auth).json()["paused_reason"] is None
 
 
+async def test_a_bounce_check_that_fails_after_a_record_does_not_hold_up_the_lanes(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The campaign's bounce check ran inside the record, after its commit: a check that failed (or
+    # outlasted db_timeout) failed the whole record, which ran again, checked again, failed again,
+    # while the lane waiting for it (one unrecorded message per SMTP connection) sent nothing more.
+    addresses = emails(6)
+    await campaign_setup(database_url, addresses)
+
+    async def refused(*args: object, **kwargs: object) -> None:
+        raise psycopg.OperationalError("the bounce check cannot be made now")
+
+    monkeypatch.setattr(feedback, "check_campaign", refused)
+    gone = addresses[0]
+    with Inbox(faults=InboxFaults(reject=lambda a: "550 5.1.1 user unknown" if a == gone else None)) as inbox:
+        config = WorkerConfig(concurrency=1, batch_size=10, tick=0.2, lease=5, backoff_base=0.05)
+        async with running_worker(database_url, transport_from_url(inbox.url), config) as worker:
+            deadline = time.monotonic() + 30
+            while len(inbox.messages) < 5 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+        assert sorted(m.rcpt_to[0] for m in inbox.messages) == addresses[1:]
+    # each group recorded once: run again, its rows were found recorded and each was reported as
+    # "outcome refused, re-claimed by another worker" (a warning that was not true)
+    assert worker.stats.fenced_out == 0, worker.stats
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute("SELECT status::text, count(*) FROM sendonce.deliveries GROUP BY 1 ORDER BY 1").fetchall()
+    assert rows == [("failed", 1), ("sent", 5)], rows
+
+
 async def test_a_bounce_check_that_failed_is_made_again_by_the_providers_retry(
     database_url: str, client: httpx.Client
 ) -> None:

@@ -924,6 +924,11 @@ class Worker:
                 self.stats.record_groups += 1
                 self.stats.record_seconds += loop.time() - started
                 failures = 0
+                if self._dirty_campaigns:
+                    # After the group is settled, in a call of its own: a check that fails or outlasts
+                    # db_timeout used to fail the whole record, which ran again (and checked again)
+                    # while the lanes waiting for it sent nothing.
+                    await self._with_db(lane, "campaign check", self._check_campaigns)
                 if not self._held:
                     # Everything this worker held is recorded: an idle claimer looks again now (a
                     # campaign may be complete), rather than at its next tick.
@@ -1026,7 +1031,6 @@ class Worker:
             for r in results
             if isinstance(r.outcome, Permanent) and r.outcome.hard_bounce and r.held.delivery.campaign_id is not None
         }
-        await self._check_campaigns(conn)
 
         self.stats.released += released
         recorded = recorded_sent | recorded_retry | recorded_failed
@@ -1088,9 +1092,9 @@ class Worker:
         for key in list(self._dirty_campaigns):
             if not force and now - self._last_check.get(key, -1e9) < self._check_interval:
                 continue
-            self._dirty_campaigns.discard(key)
             self._last_check[key] = started = time.monotonic()
             alert = await feedback.check_campaign(conn, key[0], key[1], self.config.feedback)
+            self._dirty_campaigns.discard(key)  # checked: a check that failed is made again
             self._check_interval = max(0.2, 10 * (time.monotonic() - started))
             if alert is not None:
                 self._paused_campaign(key[0], alert)
