@@ -55,6 +55,14 @@ def message_job_id(account_id: int, key: str) -> str:
     return f"message:{digest}"
 
 
+def _encodable(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _params(
     *,
     account_id: int,
@@ -67,6 +75,19 @@ def _params(
     headers: dict[str, str] | None,
     not_before: datetime | None,
 ) -> dict[str, Any]:
+    texts = {"key": key, "to": to, "subject": subject, "text": text, "html": html}
+    texts |= {  # a header's value that is not text is refused below, with the header rules
+        f"the {name} header's value": value for name, value in (headers or {}).items() if isinstance(value, str)
+    }
+    for what, value in texts.items():
+        if value is None and what == "html":
+            continue
+        # PostgreSQL refuses a NUL or a lone surrogate in text, failing the caller's whole transaction:
+        # refused here instead, before anything is written
+        if not isinstance(value, str):
+            raise InvalidInput(f"{what} must be a string, not {type(value).__name__}")
+        if "\x00" in value or not _encodable(value):
+            raise InvalidInput(f"{what} holds a NUL or a lone surrogate, which cannot be stored")
     if not key or len(key) > 255:
         raise InvalidInput("key must be a non-empty string of at most 255 characters")
     if not subject or not text:

@@ -720,6 +720,37 @@ async def test_enqueue_refuses_headers_that_would_be_dropped_or_break_the_messag
         assert conn.execute("SELECT payload->'headers' FROM sendonce.deliveries").fetchall() == [({"X-Order-Id": "1"},)]
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("subject", "a\x00b"),
+        ("text", "broken \ud800 text"),
+        ("html", "<p>\x00</p>"),
+        ("key", "k\udfff"),
+        ("key", 5),
+        ("headers", {"X-Note": "a\x00b"}),
+    ],
+    ids=["nul-subject", "surrogate-text", "nul-html", "surrogate-key", "int-key", "nul-header"],
+)
+async def test_enqueue_refuses_what_postgresql_cannot_store_and_leaves_the_callers_transaction_usable(
+    database_url: str, field: str, value: object
+) -> None:
+    # PostgreSQL refused a NUL or a lone surrogate itself, which failed the application's whole
+    # transaction (InFailedSqlTransaction), and a non-text key was a TypeError: InvalidInput, nothing
+    # written, as documented
+    async with await connect(database_url) as conn:
+        from tests.helpers import make_account
+
+        aid, _ = await make_account(conn)
+    fields: dict[str, Any] = {"to": "a@example.test", "subject": "s", "text": "t", "key": "k", field: value}
+    with psycopg.connect(database_url) as conn:
+        with pytest.raises(sendonce.errors.InvalidInput):
+            sendonce.outbox.enqueue(conn, account_id=aid, **fields)
+        sendonce.outbox.enqueue(conn, account_id=aid, to="a@example.test", subject="s", text="t", key="ok")
+        conn.commit()
+        assert conn.execute("SELECT count(*) FROM sendonce.deliveries").fetchone() == (1,)
+
+
 async def test_a_row_written_before_the_header_check_fails_clearly_instead_of_injecting(
     database_url: str, inbox: Inbox
 ) -> None:
