@@ -82,6 +82,17 @@ def test_header_injection_through_a_name_or_subject_is_neutralized() -> None:
     assert parsed["Bcc"] is None
 
 
+@pytest.mark.parametrize("subject", ["w" * 2000, "word " * 400, "a, " * 500 + "z"], ids=["one-word", "words", "list"])
+def test_no_header_line_is_longer_than_998_characters(subject: str) -> None:
+    # a long ASCII value was written on one line (a 998-character campaign subject made a line of
+    # 1,007): relays refuse or wrap such a line, and a wrap breaks the DKIM signature
+    data = _message(subject=subject, headers=[("X-Long", "v" * 1500)]).as_bytes()
+    head = data.split(b"\r\n\r\n", 1)[0]
+    assert max(len(line) for line in head.split(b"\r\n")) <= 998
+    parsed = _parse(data)
+    assert parsed["Subject"].strip() == subject.strip() and parsed["X-Long"] == "v" * 1500
+
+
 def test_lines_starting_with_a_dot_and_long_lines_survive() -> None:
     text = ".leading dot\n" + "x" * 2000
     parsed = _parse(_message(text=text).as_bytes())

@@ -59,14 +59,23 @@ def encode_header_value(value: str, name: str) -> str:
     """A header value safe for the wire: RFC 2047 encoded words when needed, folded when long.
 
     ASCII values are folded only between the items of a list (``a, b`` -> ``a,`` CRLF `` b``), never
-    inside one: a URL or an address stays whole, and the line limit that matters (998) holds.
+    inside one: a URL or an address stays whole. One that would still make a line longer than 998
+    characters is written as encoded words instead, which fold anywhere.
     """
     cleaned = value.replace("\r", " ").replace("\n", " ")
     if cleaned.isascii():
-        if len(cleaned) + len(name) + 2 <= 78 or ", " not in cleaned:
+        if len(cleaned) + len(name) + 2 <= 78:
             return cleaned
-        return ("," + CRLF + " ").join(cleaned.split(", "))
+        folded = ("," + CRLF + " ").join(cleaned.split(", "))
+        if all(len(line) <= MAX_LINE - len(name) - 2 for line in folded.split(CRLF)):
+            return folded
+        # A line over 998 characters (a long subject without ", "): relays refuse or wrap it, and a
+        # wrap breaks the DKIM signature. Encoded words may be folded anywhere.
     return Header(cleaned, "utf-8", header_name=name).encode(linesep=CRLF)
+
+
+MAX_LINE = 998
+"""Characters a line of a message may have, its CRLF aside (RFC 5322 2.1.1)."""
 
 
 _SPECIALS = re.compile(r'[][\\()<>@,:;".]')
