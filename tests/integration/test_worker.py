@@ -560,6 +560,8 @@ async def test_a_group_recorded_again_after_a_lost_commit_answer_still_checks_it
         )
         assert first.recorded == {row.key}
         await worker._record(conn, [_Result(Held(row, lease_end=0.0), bounce)])  # the group again
+        assert worker._dirty_campaigns == {(setup.account_id, setup.campaign_id)}
+        await worker._check_campaigns(conn)  # as the recorder does once the group is settled
         campaign = await campaigns.get_campaign(conn, setup.account_id, setup.campaign_id)  # type: ignore[arg-type]
     assert campaign is not None and campaign.status.value == "paused"
 
