@@ -191,20 +191,13 @@ async def test_prune_archives_and_deletes_only_finished_old_rows(database_url: s
         assert conn.execute(
             "SELECT status FROM sendonce.campaigns WHERE campaign_id = %s", (finished.campaign_id,)
         ).fetchone() == ("sent",)
-    bad = subprocess.run(
-        [sys.executable, "-m", "sendonce.cli", "outbox", "prune", "--older-than", "soon"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+
+    def prune(age: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "sendonce.cli", "outbox", "prune", "--older-than", age]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+
+    bad = prune("soon")
     assert bad.returncode == 2 and "--older-than" in bad.stderr
     # a report that comes for a row removed already suppresses nobody: a day at least is kept
-    hasty = subprocess.run(
-        [sys.executable, "-m", "sendonce.cli", "outbox", "prune", "--older-than", "0s"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    hasty = prune("0s")
     assert hasty.returncode == 2 and "under a day" in hasty.stderr, hasty.stderr
