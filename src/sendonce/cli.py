@@ -336,6 +336,27 @@ def worker(
     logger.info("final: %s", stats)
 
 
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why the API could not listen on ``host:port`` (taken, not this machine's, not an address), or
+    None. A probe, closed at once: another process may still take the port before uvicorn binds it."""
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        return str(exc)
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
 @app.command()
 def api(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
@@ -357,6 +378,10 @@ def api(
     except ConfigurationError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
+    problem = _cannot_listen(host, port)
+    if problem is not None:  # before the migration: uvicorn found out after it, and exited 3 in its own words
+        _error(f"cannot listen on {host}:{port}: {problem}")
+        raise typer.Exit(2)
     if upgrade_schema:
         try:
             _upgrade(url)

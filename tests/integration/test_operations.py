@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -339,3 +340,17 @@ def test_a_database_that_is_not_there_is_a_setting_to_fix_not_an_outage_to_wait_
     done = sendonce(*command, url=missing, home=tmp_path, timeout=60, **env)
     line = one_line_error(done, 2)
     assert "PostgreSQL refuses the connection" in line and "does not exist" in line, line
+
+
+def test_an_api_that_cannot_listen_says_so_before_migrating(empty_database_url: str, tmp_path: Path) -> None:
+    # uvicorn found out after the migration, and exited 3 with a line of its own
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = sendonce("api", "--port", str(port), url=empty_database_url, home=tmp_path, timeout=30)
+    assert f"cannot listen on 127.0.0.1:{port}" in one_line_error(done, 2)
+    with psycopg.connect(empty_database_url) as conn:
+        assert conn.execute("SELECT to_regclass('sendonce_meta.schema_migrations')").fetchone() == (None,)
+    unknown = sendonce("api", "--host", "no-such-host.invalid", url=empty_database_url, home=tmp_path, timeout=30)
+    assert "cannot listen on no-such-host.invalid:8000" in one_line_error(unknown, 2)
