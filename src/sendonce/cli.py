@@ -165,8 +165,9 @@ def _refused_for_good(exc: BaseException) -> str | None:
     return line if any(words in line for words in _FOR_GOOD) else None
 
 
-def _upgrade(url: str, *, wait: float = 30.0) -> list[str]:
-    """Apply migrations, waiting up to ``wait`` seconds for the server to accept connections."""
+def _upgrade(url: str, *, wait: float = 30.0, newer_ok: bool = False) -> list[str]:
+    """Apply migrations, waiting up to ``wait`` seconds for the server to accept connections
+    (``newer_ok``: see :func:`sendonce.store.migrations.upgrade`)."""
     import psycopg
 
     from sendonce.store.migrations import upgrade
@@ -175,7 +176,7 @@ def _upgrade(url: str, *, wait: float = 30.0) -> list[str]:
     delay = 0.2
     while True:
         try:
-            return [f"{m.version:04d}_{m.name}" for m in upgrade(url)]
+            return [f"{m.version:04d}_{m.name}" for m in upgrade(url, newer_ok=newer_ok)]
         except psycopg.OperationalError as exc:
             refusal = _refused_for_good(exc)
             if refusal is not None:  # the server answered, and will answer the same in 30 s
@@ -300,7 +301,7 @@ def worker(
         _require_schema(url, unreachable_ok=True)
     try:
         if upgrade_schema:
-            _upgrade(url)
+            _upgrade(url, newer_ok=True)  # a later release migrated it: this one runs on (a rolling upgrade)
         config = WorkerConfig(
             concurrency=concurrency,
             batch_size=batch_size,
@@ -384,7 +385,7 @@ def api(
         raise typer.Exit(2)
     if upgrade_schema:
         try:
-            _upgrade(url)
+            _upgrade(url, newer_ok=True)  # a later release migrated it: this one runs on (a rolling upgrade)
         except SendonceError as exc:
             _error(str(exc))
             raise typer.Exit(2 if isinstance(exc, ConfigurationError) else 1) from None

@@ -354,3 +354,19 @@ def test_an_api_that_cannot_listen_says_so_before_migrating(empty_database_url: 
         assert conn.execute("SELECT to_regclass('sendonce_meta.schema_migrations')").fetchone() == (None,)
     unknown = sendonce("api", "--host", "no-such-host.invalid", url=empty_database_url, home=tmp_path, timeout=30)
     assert "cannot listen on no-such-host.invalid:8000" in one_line_error(unknown, 2)
+
+
+def test_a_release_started_on_a_schema_a_later_one_migrated_runs_on(empty_database_url: str, tmp_path: Path) -> None:
+    # During a rolling upgrade the next release migrates while this one's processes still run and
+    # restart: a worker (or an API process) that restarted then refused to start (exit 2, api exit 1)
+    upgrade(empty_database_url)
+    with psycopg.connect(empty_database_url) as conn:
+        conn.execute(
+            "INSERT INTO sendonce_meta.schema_migrations (version, name, checksum) VALUES (9999, 'later', 'x')"
+        )
+    env = {"SENDONCE_TRANSPORT_URL": "smtp://127.0.0.1:1025"}
+    worker = sendonce("worker", "--drain", url=empty_database_url, home=tmp_path, timeout=60, **env)
+    assert worker.returncode == 0, worker.stderr
+    assert "does not know (a later release migrated it): running on" in worker.stderr
+    refused = sendonce("db", "upgrade", url=empty_database_url, home=tmp_path, timeout=60)
+    assert "that this version of sendonce does not know" in one_line_error(refused, 1)

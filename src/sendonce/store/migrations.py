@@ -72,19 +72,27 @@ run beside a long transaction would stop the API and the workers while it waits;
 leaving the schema as it was, and is retried."""
 
 
-def upgrade(conninfo: str, *, lock_timeout: float = LOCK_TIMEOUT) -> list[Migration]:
-    """Bring the schema up to date; returns the migrations applied (empty when it was current)."""
+def upgrade(conninfo: str, *, lock_timeout: float = LOCK_TIMEOUT, newer_ok: bool = False) -> list[Migration]:
+    """Bring the schema up to date; returns the migrations applied (empty when it was current).
+
+    ``newer_ok``: a schema a later release migrated (every migration this one knows applied, and more)
+    is taken with a warning instead of refused: a process of this release that starts or restarts
+    during a rolling upgrade runs on. ``db upgrade`` itself refuses it."""
     migrations = available_migrations()
     with psycopg.connect(conninfo, autocommit=False) as conn:
         # READ COMMITTED whatever the database's default: the statement that waits for the lock takes
         # the first snapshot, and in REPEATABLE READ the rest would read it too, blind to what the
         # upgrade before this one applied while this one waited (it would apply it again).
         conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-        return _upgrade(conn, migrations, lock_timeout=lock_timeout)
+        return _upgrade(conn, migrations, lock_timeout=lock_timeout, newer_ok=newer_ok)
 
 
 def _upgrade(
-    conn: psycopg.Connection[tuple[Any, ...]], migrations: list[Migration], *, lock_timeout: float | None = None
+    conn: psycopg.Connection[tuple[Any, ...]],
+    migrations: list[Migration],
+    *,
+    lock_timeout: float | None = None,
+    newer_ok: bool = False,
 ) -> list[Migration]:
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK_KEY,))
@@ -103,6 +111,13 @@ def _upgrade(
                 )
         pending = [m for m in migrations if m.version not in applied]
         unknown = sorted(set(applied) - {m.version for m in migrations})
+        if unknown and newer_ok and not pending:
+            logger.warning(
+                "the database has migrations %s that this version of sendonce does not know (a later release "
+                "migrated it): running on; upgrade sendonce",
+                unknown,
+            )
+            return []
         if unknown:
             raise MigrationError(
                 f"the database has migrations {unknown} that this version of sendonce does not know; upgrade sendonce"
