@@ -339,22 +339,24 @@ def worker(
 
 def _cannot_listen(host: str, port: int) -> str | None:
     """Why the API could not listen on ``host:port`` (taken, not this machine's, not an address), or
-    None. A probe, closed at once: another process may still take the port before uvicorn binds it."""
+    None. A probe of the first address, bound as asyncio binds and closed at once: another process may
+    still take the port before uvicorn binds it. An empty host (every interface) is not probed."""
     import socket
 
-    if port == 0:
+    if port == 0 or not host:
         return None
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind(address)
     except (socket.gaierror, UnicodeError) as exc:
         return str(exc)
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            return exc.strerror or str(exc)
+    except OSError as exc:
+        return exc.strerror or str(exc)
     return None
 
 

@@ -95,8 +95,10 @@ def _params(
     if not 0 <= priority <= 99:
         raise InvalidInput("priority must be within 0..99 (campaign mail is 100)")
     for name, value in (headers or {}).items():
-        if not isinstance(name, str) or not is_header_name(name):
-            raise InvalidInput(f"{name!r} is not a header name (printable ASCII, no space, no colon)")
+        if not isinstance(name, str) or not is_header_name(name) or len(name) > 76:
+            raise InvalidInput(
+                f"{name!r} is not a header name (printable ASCII, no space, no colon, at most 76 characters)"
+            )
         if is_reserved_header(name):
             raise InvalidInput(f"the {name} header is written by sendonce")
         if not isinstance(value, str) or "\r" in value or "\n" in value:

@@ -370,3 +370,22 @@ def test_a_release_started_on_a_schema_a_later_one_migrated_runs_on(empty_databa
     assert "does not know (a later release migrated it): running on" in worker.stderr
     refused = sendonce("db", "upgrade", url=empty_database_url, home=tmp_path, timeout=60)
     assert "that this version of sendonce does not know" in one_line_error(refused, 1)
+    # an unknown migration among the known ones is another branch's schema, not a later release's
+    with psycopg.connect(empty_database_url) as conn:
+        conn.execute("INSERT INTO sendonce_meta.schema_migrations (version, name, checksum) VALUES (0, 'other', 'x')")
+    other = sendonce("worker", "--drain", url=empty_database_url, home=tmp_path, timeout=60, **env)
+    assert "that this version of sendonce does not know" in one_line_error(other, 2)
+
+
+def test_the_apis_address_probe_binds_as_asyncio_does() -> None:
+    from sendonce.cli import _cannot_listen
+
+    assert _cannot_listen("", 8000) is None  # every interface: not probed (asyncio's '' means all)
+    assert _cannot_listen("127.0.0.1", 0) is None
+    assert _cannot_listen("no-such-host.invalid", 8000) is not None
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert _cannot_listen("127.0.0.1", port) is not None
+        assert _cannot_listen("localhost4.invalid", port) is not None  # not an address: said, not raised

@@ -698,6 +698,8 @@ def test_a_sealed_answer_under_a_retired_secret_is_a_clear_409(database_url: str
         ({"X-SMTPAPI": '{"unique_args": {"sendonce_job_id": "campaign:1:1"}}'}, "written by sendonce"),
         ({"X-Note": "one\r\nBcc: x@evil.test"}, "on one line"),
         ({"X-Count": 3}, "on one line"),
+        # a name so long its header cannot start on its line: the value would be folded after the colon
+        ({"X-" + "n" * 80: "1"}, "at most 76 characters"),
     ],
 )
 async def test_enqueue_refuses_headers_that_would_be_dropped_or_break_the_message(

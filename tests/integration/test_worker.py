@@ -1415,3 +1415,38 @@ def test_a_lease_that_cuts_the_transports_timeout_is_named_at_start(caplog: pyte
         Worker("postgresql://unused", short, WorkerConfig(lease=2), composer=composer())._warn_of_short_sends()
     [warning] = [r.getMessage() for r in caplog.records if getattr(r, "action", None) == "short_sends"]
     assert "a 1s lease cuts each send to about 0.6s" in warning and "--lease 49 or more" in warning, warning
+
+
+async def test_a_bounce_recorded_during_a_campaign_check_is_checked_again(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two recorders share the campaigns to check: one's bounce, committed while the other's check of
+    # that campaign was reading, was forgotten when the check ended (its count could not include it)
+    setup = await campaign_setup(database_url, emails(1))
+    key = (setup.account_id, setup.campaign_id)
+    worker = Worker(database_url, transport_from_url("smtp://127.0.0.1:9"), WorkerConfig(**FAST), composer=composer())
+    checking = asyncio.Event()
+
+    async def check(*args: object) -> None:
+        checking.set()
+        await asyncio.sleep(0.1)
+
+    monkeypatch.setattr(worker_module.feedback, "check_campaign", check)
+
+    async def another_recorders_bounce() -> None:
+        await checking.wait()
+        worker._dirty_campaigns.add(key)  # what _record does for a hard bounce it committed
+
+    worker._dirty_campaigns.add(key)
+    async with await connect(database_url) as conn:
+        await asyncio.gather(worker._check_campaigns(conn), another_recorders_bounce())
+    assert worker._dirty_campaigns == {key}  # to be checked again
+
+    async def fails(*args: object) -> None:
+        raise psycopg.OperationalError("lost")
+
+    monkeypatch.setattr(worker_module.feedback, "check_campaign", fails)
+    async with await connect(database_url) as conn:
+        with pytest.raises(psycopg.OperationalError):
+            await worker._check_campaigns(conn, force=True)
+    assert worker._dirty_campaigns == {key}  # a check that failed is made again

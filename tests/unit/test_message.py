@@ -93,6 +93,14 @@ def test_no_header_line_is_longer_than_998_characters(subject: str) -> None:
     assert parsed["Subject"].strip() == subject.strip() and parsed["X-Long"] == "v" * 1500
 
 
+def test_list_unsubscribe_is_never_written_as_encoded_words() -> None:
+    # RFC 2369 readers take "<url>" items only: an encoded word would lose one-click unsubscribe
+    value = f"<https://example.test/u/{'t' * 1000}>, <mailto:unsubscribe@example.test>"  # over 998 even so
+    data = _message(headers=[("List-Unsubscribe", value)]).as_bytes()
+    assert b"=?utf-8?" not in data
+    assert _parse(data)["List-Unsubscribe"] == value
+
+
 def test_lines_starting_with_a_dot_and_long_lines_survive() -> None:
     text = ".leading dot\n" + "x" * 2000
     parsed = _parse(_message(text=text).as_bytes())

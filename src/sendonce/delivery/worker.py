@@ -1092,9 +1092,15 @@ class Worker:
         for key in list(self._dirty_campaigns):
             if not force and now - self._last_check.get(key, -1e9) < self._check_interval:
                 continue
+            # Taken out before the check: a bounce another recorder commits meanwhile marks it again.
+            # Put back if the check fails, so that it is made again.
+            self._dirty_campaigns.discard(key)
             self._last_check[key] = started = time.monotonic()
-            alert = await feedback.check_campaign(conn, key[0], key[1], self.config.feedback)
-            self._dirty_campaigns.discard(key)  # checked: a check that failed is made again
+            try:
+                alert = await feedback.check_campaign(conn, key[0], key[1], self.config.feedback)
+            except BaseException:
+                self._dirty_campaigns.add(key)
+                raise
             self._check_interval = max(0.2, 10 * (time.monotonic() - started))
             if alert is not None:
                 self._paused_campaign(key[0], alert)

@@ -67,12 +67,15 @@ def encode_header_value(value: str, name: str) -> str:
         if len(cleaned) + len(name) + 2 <= 78:
             return cleaned
         folded = ("," + CRLF + " ").join(cleaned.split(", "))
-        if all(len(line) <= MAX_LINE - len(name) - 2 for line in folded.split(CRLF)):
+        if name.lower() in _STRUCTURED or all(len(line) <= MAX_LINE - len(name) - 2 for line in folded.split(CRLF)):
             return folded
         # A line over 998 characters (a long subject without ", "): relays refuse or wrap it, and a
         # wrap breaks the DKIM signature. Encoded words may be folded anywhere.
     return Header(cleaned, "utf-8", header_name=name).encode(linesep=CRLF)
 
+
+_STRUCTURED = frozenset({"list-unsubscribe", "list-unsubscribe-post"})
+"""Headers whose readers take no encoded words (RFC 2369's ``<url>`` items): folded between items only."""
 
 MAX_LINE = 998
 """Characters a line of a message may have, its CRLF aside (RFC 5322 2.1.1)."""

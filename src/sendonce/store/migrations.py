@@ -111,7 +111,7 @@ def _upgrade(
                 )
         pending = [m for m in migrations if m.version not in applied]
         unknown = sorted(set(applied) - {m.version for m in migrations})
-        if unknown and newer_ok and not pending:
+        if unknown and newer_ok and not pending and min(unknown) > max(m.version for m in migrations):
             logger.warning(
                 "the database has migrations %s that this version of sendonce does not know (a later release "
                 "migrated it): running on; upgrade sendonce",
