@@ -22,6 +22,7 @@ from sendonce.store.signups import (
     AddressSuppressed,
     RateLimited,
     UnknownSignup,
+    VerifyOutcome,
     answer_outdated,
     request_signup,
     verified_already,
@@ -209,8 +210,7 @@ async def _verify(request: Request, *, human: bool) -> Response:
         if exc.kind != "token-expired":
             raise
         # genuine, only old: someone verified already who clicks it again is told so, as on any repeat
-        async with connection(request) as conn:
-            already = await verified_already(conn, services_of(request).keys.verify(VERIFY_PURPOSE, token))
+        already = await _verified_already(request, token)
         if already is None:
             raise
         outcome = already
@@ -236,11 +236,9 @@ async def verify_page(request: Request, token: Annotated[str, Query(max_length=4
     try:
         _verify_payload(request, token)
     except Problem as exc:
-        if exc.kind == "token-expired":  # genuine, only old: someone verified already is told so
-            async with connection(request) as conn:
-                already = await verified_already(conn, services_of(request).keys.verify(VERIFY_PURPOSE, token))
-            if already is not None:
-                return HTMLResponse(_page("Address confirmed", "Your email address is already confirmed."))
+        # genuine, only old: someone verified already is told so
+        if exc.kind == "token-expired" and await _verified_already(request, token) is not None:
+            return HTMLResponse(_page("Address confirmed", "Your email address is already confirmed."))
         return HTMLResponse(_page("Link not valid", exc.detail), status_code=400)
     form = (
         '<form method="post" action="verify">'
@@ -248,6 +246,16 @@ async def verify_page(request: Request, token: Annotated[str, Query(max_length=4
         '<button type="submit">Confirm my email address</button></form>'
     )
     return HTMLResponse(_page("Confirm your email address", "One click to confirm:", form))
+
+
+async def _verified_already(request: Request, token: str) -> VerifyOutcome | None:
+    """For a genuine link that has only expired: its signup, if verified already (else None)."""
+    try:
+        payload = services_of(request).keys.verify(VERIFY_PURPOSE, token)  # no age limit: it was genuine
+    except InvalidToken:
+        return None
+    async with connection(request) as conn:
+        return await verified_already(conn, payload)
 
 
 def _page(title: str, message: str, extra: str = "") -> str:
